@@ -1,0 +1,1 @@
+"""The SQLite host record (filled by the adaptive-threads issue)."""

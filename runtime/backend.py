@@ -1,0 +1,134 @@
+"""CPU backends behind one seam: ``Backend.forward(batch, num_threads)`` (R1.3, R2.1).
+
+A forward must be called on the thread context's lane for ``num_threads``; it returns the
+pooled embeddings (or logits) and the count observed from inside the forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+
+from runtime.errors import ArtifactError, Unsupported
+from runtime.pooling import pool
+from runtime.types import BackendName, ForwardResult, Manifest, Task, TokenBatch
+
+
+class Backend(Protocol):
+    name: BackendName
+
+    def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult: ...
+
+    def close(self) -> None: ...
+
+
+def _finish(manifest: Manifest, out: np.ndarray, batch: TokenBatch) -> np.ndarray:
+    if manifest.task is Task.CLASSIFY:
+        return np.ascontiguousarray(out, dtype=np.float32)
+    return pool(out, batch.attention_mask, manifest.pooling, manifest.normalize)
+
+
+class OnnxBackend:
+    """onnxruntime: the intra-op pool belongs to a session, so one session per count."""
+
+    name = BackendName.ONNXRUNTIME
+
+    def __init__(self, manifest: Manifest, onnx_path: str) -> None:
+        import onnxruntime as ort
+
+        self._ort = ort
+        self.manifest = manifest
+        self.onnx_path = onnx_path
+        self._sessions: dict[int, object] = {}
+        self._lock = threading.Lock()
+        probe = self._session(1)
+        self._input_names = [i.name for i in probe.get_inputs()]
+        want_rank = 2 if manifest.task is Task.CLASSIFY else 3
+        outputs = [o for o in probe.get_outputs() if len(o.shape) == want_rank]
+        if not outputs:
+            raise ArtifactError(f"{onnx_path} has no output of rank {want_rank}")
+        self._output = manifest.onnx_output or outputs[0].name
+
+    def _session(self, num_threads: int):
+        with self._lock:
+            session = self._sessions.get(num_threads)
+            if session is None:
+                opts = self._ort.SessionOptions()
+                opts.intra_op_num_threads = num_threads
+                opts.inter_op_num_threads = 1
+                opts.execution_mode = self._ort.ExecutionMode.ORT_SEQUENTIAL
+                opts.log_severity_level = 3
+                try:
+                    session = self._ort.InferenceSession(
+                        self.onnx_path, opts, providers=["CPUExecutionProvider"])
+                except Exception as exc:  # onnxruntime raises its own untyped errors
+                    raise ArtifactError(f"cannot load {self.onnx_path}: {exc}") from exc
+                self._sessions[num_threads] = session
+            return session
+
+    def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
+        session = self._session(num_threads)
+        feed = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        if "token_type_ids" in self._input_names:
+            feed["token_type_ids"] = np.zeros_like(batch.input_ids)
+        feed = {k: v for k, v in feed.items() if k in self._input_names}
+        start = time.perf_counter()
+        (out,) = session.run([self._output], feed)
+        forward_s = time.perf_counter() - start
+        observed = session.get_session_options().intra_op_num_threads
+        return ForwardResult(_finish(self.manifest, out, batch), num_threads, observed, forward_s)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sessions.clear()
+
+
+class TorchBackend:
+    """torch: one module; the lane's OS thread carries the intra-op count."""
+
+    name = BackendName.TORCH
+
+    def __init__(self, manifest: Manifest) -> None:
+        import torch
+
+        from runtime.torch_model import load_module
+
+        self._torch = torch
+        self.manifest = manifest
+        self.module = load_module(manifest)
+        self._seen = threading.local()
+        self.module.register_forward_pre_hook(self._observe)
+
+    def _observe(self, _module, _args) -> None:
+        self._seen.num_threads = self._torch.get_num_threads()
+
+    def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
+        torch = self._torch
+        ids = torch.from_numpy(batch.input_ids)
+        mask = torch.from_numpy(batch.attention_mask)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.module(ids, mask).numpy()
+        forward_s = time.perf_counter() - start
+        observed = self._seen.num_threads
+        return ForwardResult(_finish(self.manifest, out, batch), num_threads, observed, forward_s)
+
+    def close(self) -> None:
+        pass
+
+
+def load_backend(manifest: Manifest, backend: BackendName | str) -> Backend:
+    """Build a backend for the artifact (exporting ONNX once per revision if needed)."""
+    try:
+        name = BackendName(backend)
+    except ValueError:
+        raise Unsupported(f"backend must be one of {[b.value for b in BackendName]}, "
+                          f"got {backend!r}") from None
+    if name is BackendName.TORCH:
+        return TorchBackend(manifest)
+    from runtime.export import ensure_onnx
+
+    return OnnxBackend(manifest, str(ensure_onnx(manifest)))

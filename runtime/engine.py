@@ -1,0 +1,232 @@
+"""The engine: micro-batches the rows of concurrent requests into forwards (R3.1, R3.3).
+
+How it works: ``submit`` queues a request's rows and returns a future. One scheduler thread
+loops: drop requests whose deadline passed or whose caller gave up, pick the next forward
+with ``next_batch`` (policy), ask the threads policy which count serves it, run it on the
+thread context's lane for that count, hand each row its vector, and resolve a request once
+all its rows are done (a request is answered as one unit). When nothing is pending the
+threads policy may use the idle time (shadow passes of the adaptive tuner).
+
+Invariant: every row of a live request is either pending or in the forward now running;
+a forward's result for a request that expired meanwhile is discarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from runtime.backend import Backend
+from runtime.batching import PendingRow, next_batch
+from runtime.errors import DeadlineExceeded, EngineStopped, RuntimeFault
+from runtime.threads import ThreadContext, thread_context
+from runtime.types import EngineArgs, ForwardRecord, ForwardResult, TokenBatch
+
+log = logging.getLogger(__name__)
+
+
+class ThreadsPolicy(Protocol):
+    """Which count serves a forward, and what to do with idle time (the tuner's seam)."""
+
+    def served_threads(self, batch: TokenBatch) -> int: ...
+
+    def observe(self, batch: TokenBatch, result: ForwardResult) -> None: ...
+
+    def idle_work(self) -> Callable[[], None] | None: ...
+
+
+@dataclass
+class FixedThreads:
+    """Every forward at the configured count; no learning."""
+
+    num_threads: int
+
+    def served_threads(self, batch: TokenBatch) -> int:
+        return self.num_threads
+
+    def observe(self, batch: TokenBatch, result: ForwardResult) -> None:
+        return None
+
+    def idle_work(self) -> Callable[[], None] | None:
+        return None
+
+
+@dataclass
+class _Request:
+    rows: list[list[int]]
+    deadline: float  # time.monotonic() seconds
+    future: Future
+    outputs: list[np.ndarray | None] = field(default_factory=list)
+    remaining: int = 0
+
+
+def pad(rows: list[list[int]]) -> TokenBatch:
+    longest = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), longest), dtype=np.int64)
+    mask = np.zeros((len(rows), longest), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return TokenBatch(ids, mask)
+
+
+class Engine:
+    def __init__(self, backend: Backend, args: EngineArgs,
+                 threads: ThreadsPolicy | None = None, context: ThreadContext | None = None,
+                 on_forward: Callable[[ForwardRecord], None] | None = None) -> None:
+        self.backend = backend
+        self.args = args
+        self.threads = threads or FixedThreads(args.num_threads)
+        self.context = context or thread_context()
+        self.on_forward = on_forward
+        self._cond = threading.Condition()
+        self._requests: dict[int, _Request] = {}
+        self._pending: list[PendingRow] = []
+        self._ids = itertools.count()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self.forwards = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self._running:
+                return
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+            pending = list(self._requests.values())
+            self._requests.clear()
+            self._pending.clear()
+        for req in pending:
+            _fail(req.future, EngineStopped("engine stopped"))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(self, rows: list[list[int]], deadline: float | None = None) -> Future:
+        """Queue a request's token rows; the future gives float32 [len(rows), dim]."""
+        future: Future = Future()
+        limit = time.monotonic() + self.args.timeout_ms / 1000
+        deadline = limit if deadline is None else min(deadline, limit)
+        with self._cond:
+            if not self._running:
+                raise EngineStopped("engine is not running")
+            rid = next(self._ids)
+            self._requests[rid] = _Request(rows, deadline, future, [None] * len(rows), len(rows))
+            self._pending.extend(PendingRow(rid, i, len(r)) for i, r in enumerate(rows))
+            self._cond.notify()
+        return future
+
+    def forward(self, rows: list[list[int]], num_threads: int) -> ForwardResult:
+        """One direct forward at ``num_threads`` (warm-up, golden checks, shadow passes)."""
+        batch = pad(rows)
+        return self.context.run(num_threads, lambda: self.backend.forward(batch, num_threads))
+
+    # -- the loop --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            idle = None
+            with self._cond:
+                self._expire(time.monotonic())
+                if not self._pending and self._running:
+                    idle = self.threads.idle_work()
+                    if idle is None:
+                        self._cond.wait(timeout=0.5)
+                        continue
+                if not self._running:
+                    return
+                chosen = (next_batch(self._pending, self.args.max_num_seqs,
+                                     self.args.max_num_batched_tokens)
+                          if self._pending else [])
+                taken = set(chosen)
+                self._pending = [r for r in self._pending if r not in taken]
+                rows = [self._requests[r.request_id].rows[r.index] for r in chosen]
+            if idle is not None:
+                self._run_idle(idle)
+            elif chosen:
+                self._serve(chosen, rows)
+
+    def _run_idle(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception:
+            log.exception("idle_work_failed")
+
+    def _serve(self, chosen: list[PendingRow], rows: list[list[int]]) -> None:
+        batch = pad(rows)
+        num_threads = self.threads.served_threads(batch)
+        try:
+            result = self.context.run(num_threads,
+                                      lambda: self.backend.forward(batch, num_threads))
+        except Exception as exc:
+            log.exception("forward_failed rows=%d", len(rows))
+            self._fail_requests({r.request_id for r in chosen},
+                                exc if isinstance(exc, RuntimeFault) else RuntimeFault(
+                                    f"forward failed: {exc}"))
+            return
+        self.forwards += 1
+        self.threads.observe(batch, result)
+        self._deliver(chosen, result.outputs)
+        if self.on_forward is not None:
+            self.on_forward(ForwardRecord(
+                rows=batch.rows, padded_tokens=batch.padded_tokens, num_threads=num_threads,
+                observed_threads=result.observed_threads, forward_s=result.forward_s,
+                requests=len({r.request_id for r in chosen})))
+
+    def _deliver(self, chosen: list[PendingRow], outputs: np.ndarray) -> None:
+        done: list[_Request] = []
+        with self._cond:
+            for row, vector in zip(chosen, outputs, strict=True):
+                req = self._requests.get(row.request_id)
+                if req is None:  # expired or cancelled while the forward ran: discard
+                    continue
+                req.outputs[row.index] = vector
+                req.remaining -= 1
+                if req.remaining == 0:
+                    del self._requests[row.request_id]
+                    done.append(req)
+        for req in done:
+            _resolve(req.future, np.stack(req.outputs))
+
+    def _expire(self, now: float) -> None:
+        """Drop requests past their deadline or abandoned by their caller (lock held)."""
+        gone = {rid for rid, req in self._requests.items()
+                if req.future.done() or req.deadline <= now}
+        if not gone:
+            return
+        self._pending = [r for r in self._pending if r.request_id not in gone]
+        for rid in gone:
+            req = self._requests.pop(rid)
+            _fail(req.future, DeadlineExceeded("deadline passed before the forward ran"))
+
+    def _fail_requests(self, ids: set[int], exc: Exception) -> None:
+        with self._cond:
+            reqs = [self._requests.pop(i) for i in ids if i in self._requests]
+            self._pending = [r for r in self._pending if r.request_id not in ids]
+        for req in reqs:
+            _fail(req.future, exc)
+
+
+def _resolve(future: Future, value: object) -> None:
+    with contextlib.suppress(InvalidStateError):  # the caller cancelled it meanwhile
+        future.set_result(value)
+
+
+def _fail(future: Future, exc: BaseException) -> None:
+    with contextlib.suppress(InvalidStateError):
+        future.set_exception(exc)

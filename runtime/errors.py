@@ -1,0 +1,47 @@
+"""Errors of the runtime, one hierarchy.
+
+    RuntimeFault
+    ├── ConfigError        a setting (environment variable, flag, engine argument) is invalid
+    ├── ArtifactError      a model folder cannot be used (missing file, unsupported weights)
+    ├── InputError         a request's input is invalid (names the field)
+    │   └── InputTooLong   an input has more tokens than the model allows
+    ├── Unsupported        the artifact or backend cannot do what was asked
+    ├── DeadlineExceeded   the caller's deadline or timeout_ms passed before an answer
+    └── EngineStopped      the engine is shutting down or has failed
+
+Foreign exceptions are translated at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class RuntimeFault(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+
+class ConfigError(RuntimeFault):
+    """A setting is invalid; the message names the variable, flag or key."""
+
+
+class ArtifactError(RuntimeFault):
+    """A model folder cannot be used."""
+
+
+class InputError(RuntimeFault):
+    """A request input is invalid; the message names the field."""
+
+
+class InputTooLong(InputError):
+    """An input has more tokens than the model's limit and truncation was not asked for."""
+
+
+class Unsupported(RuntimeFault):
+    """The artifact or backend cannot do what was asked (e.g. classify without a head)."""
+
+
+class DeadlineExceeded(RuntimeFault):
+    """The deadline passed before the answer was ready."""
+
+
+class EngineStopped(RuntimeFault):
+    """The engine is not running."""

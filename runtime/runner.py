@@ -1,0 +1,112 @@
+"""One loaded model: tokenizer, backend, engine and (optionally) the result cache.
+
+This is what a worker serves; the HTTP front end and, later, worker processes call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+from runtime.artifact import resolve
+from runtime.backend import Backend, load_backend
+from runtime.cache import ResultCache
+from runtime.engine import Engine, ThreadsPolicy
+from runtime.errors import ConfigError
+from runtime.tokenizer import Tokenizer
+from runtime.types import BackendName, EngineArgs, ForwardRecord, Manifest
+
+log = logging.getLogger(__name__)
+
+WARM_TEXTS = ("warm up", "a warm-up pass keeps first-call costs out of served latency " * 4)
+
+
+def check_args(args: EngineArgs, manifest: Manifest) -> None:
+    """Engine arguments must be positive and able to hold one row of the longest input."""
+    for key in ("num_threads", "max_num_seqs", "max_num_batched_tokens", "timeout_ms"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"{key} must be a positive integer, got {getattr(args, key)}")
+    if args.cache_entries < 0:
+        raise ConfigError(f"cache_entries must be >= 0, got {args.cache_entries}")
+    if args.max_num_batched_tokens < manifest.max_tokens:
+        raise ConfigError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be at "
+                          f"least the model's max tokens ({manifest.max_tokens})")
+
+
+class Runner:
+    def __init__(self, manifest: Manifest, backend: Backend, args: EngineArgs,
+                 threads: ThreadsPolicy | None = None, use_cache: bool = True,
+                 on_forward: Callable[[ForwardRecord], None] | None = None) -> None:
+        check_args(args, manifest)
+        self.manifest = manifest
+        self.backend = backend
+        self.args = args
+        self.tokenizer = Tokenizer(manifest.tokenizer_path, manifest.max_tokens)
+        self.engine = Engine(backend, args, threads=threads, on_forward=on_forward)
+        self.cache = ResultCache(args.cache_entries if use_cache else 0)
+        self.ready = False
+
+    @classmethod
+    def load(cls, model: str | None, backend: BackendName | str, args: EngineArgs,
+             **kwargs) -> Runner:
+        manifest = resolve(model)
+        check_args(args, manifest)
+        return cls(manifest, load_backend(manifest, backend), args, **kwargs)
+
+    def start(self) -> None:
+        """Start the engine and run a warm pass at the configured count; then ready."""
+        self.engine.start()
+        start = time.perf_counter()
+        self.engine.forward(self.tokenizer.encode(WARM_TEXTS, truncate=True),
+                            self.args.num_threads)
+        log.info("worker_ready model=%s revision=%s backend=%s num_threads=%d warm_s=%.3f",
+                 self.manifest.name, self.manifest.revision, self.backend.name.value,
+                 self.args.num_threads, time.perf_counter() - start)
+        self.ready = True
+
+    def stop(self) -> None:
+        self.ready = False
+        self.engine.stop()
+        self.backend.close()
+
+    def submit(self, texts: Sequence[str], truncate: bool = False,
+               deadline: float | None = None) -> tuple[Future, int]:
+        """Queue texts; returns (future of float32 [len(texts), dim], prompt tokens).
+
+        Raises InputError (naming the input) before anything is queued.
+        """
+        keys = [(truncate, t) for t in texts]
+        hits = [self.cache.get(k) for k in keys]
+        miss_at = [i for i, h in enumerate(hits) if h is None]
+        rows: list[list[int]] = []
+        if miss_at:
+            rows = self.tokenizer.encode([texts[i] for i in miss_at], truncate, miss_at)
+        tokens = sum(h[1] for h in hits if h is not None) + sum(len(r) for r in rows)
+        out: Future = Future()
+        if not miss_at:
+            out.set_result(np.stack([h[0] for h in hits]))
+            return out, tokens
+        inner = self.engine.submit(rows, deadline)
+
+        def merge(done: Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                if not out.done():
+                    out.set_exception(done.exception() if not done.cancelled()
+                                      else TimeoutError("cancelled"))
+                return
+            vectors = done.result()
+            full: list[np.ndarray] = [h[0] if h is not None else None for h in hits]
+            for j, i in enumerate(miss_at):
+                full[i] = vectors[j]
+                self.cache.put(keys[i], vectors[j], len(rows[j]))
+            if not out.done():
+                out.set_result(np.stack(full))
+
+        inner.add_done_callback(merge)
+        out.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+        return out, tokens
+

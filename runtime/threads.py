@@ -1,0 +1,102 @@
+"""The per-process thread context (R2.1): every CPU forward states its intra-op count here.
+
+How it works: the context keeps one *lane* per thread count, a single OS thread that runs
+only forwards stated at that count. torch keeps its intra-op count per OS thread (OpenMP and
+MKL are thread-local) but seeds a fresh thread from a process-global value and resets it on
+the thread's first parallel op, and ``set_num_threads`` also touches process-global pools. So
+a lane pins its count once, after forcing torch's lazy per-thread init, and re-checks it
+before every forward; counts never change on a lane, so no forward inherits another's count,
+however many engines share the process. onnxruntime fixes threads per session: its backend
+keeps one session per count and the lane only carries the call.
+
+Invariant: a callable submitted with ``run(n, fn)`` executes on lane n, where
+``torch.get_num_threads() == n`` whenever torch is loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_local = threading.local()
+_set_lock = threading.Lock()
+
+
+def pin_torch_threads(num_threads: int) -> None:
+    """Make the calling OS thread's torch intra-op count ``num_threads`` (no-op without torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if not getattr(_local, "torch_initialised", False):
+        torch.get_num_threads()  # force torch's lazy per-thread init before setting
+        _local.torch_initialised = True
+    if torch.get_num_threads() != num_threads:
+        with _set_lock:  # set_num_threads also resizes process-global pools
+            torch.set_num_threads(num_threads)
+
+
+def lane_threads() -> int | None:
+    """The count of the lane the caller runs on, or None outside a lane."""
+    return getattr(_local, "lane_threads", None)
+
+
+class ThreadContext:
+    """One per process: runs each forward on the lane of the count it states."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[int, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def _lane(self, num_threads: int) -> ThreadPoolExecutor:
+        with self._lock:
+            lane = self._lanes.get(num_threads)
+            if lane is None:
+                lane = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"forward-{num_threads}t",
+                    initializer=self._init_lane, initargs=(num_threads,))
+                self._lanes[num_threads] = lane
+            return lane
+
+    @staticmethod
+    def _init_lane(num_threads: int) -> None:
+        _local.lane_threads = num_threads
+        pin_torch_threads(num_threads)
+
+    @staticmethod
+    def _call(num_threads: int, fn: Callable[[], T]) -> T:
+        pin_torch_threads(num_threads)
+        return fn()
+
+    def run(self, num_threads: int, fn: Callable[[], T]) -> T:
+        """Run ``fn`` at ``num_threads`` intra-op threads and return its result."""
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        return self._lane(num_threads).submit(self._call, num_threads, fn).result()
+
+    def counts(self) -> list[int]:
+        with self._lock:
+            return sorted(self._lanes)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.shutdown(wait=True)
+
+
+_context: ThreadContext | None = None
+_context_lock = threading.Lock()
+
+
+def thread_context() -> ThreadContext:
+    """The shared per-process context."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = ThreadContext()
+        return _context

@@ -1,0 +1,42 @@
+"""Loading an artifact's torch module from safetensors (never a pickle)."""
+
+from __future__ import annotations
+
+import os
+
+from runtime.errors import ArtifactError, Unsupported
+from runtime.types import Manifest, Task
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def load_module(manifest: Manifest):
+    """A torch module ``(input_ids, attention_mask) -> hidden [rows, tokens, dim] | logits``."""
+    if manifest.safetensors_path is None:
+        raise Unsupported(f"model {manifest.name!r} has no safetensors weights; "
+                          "the torch backend needs model.safetensors (use onnxruntime)")
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if manifest.task is Task.CLASSIFY else AutoModel
+    try:
+        model = cls.from_pretrained(manifest.path, use_safetensors=True, local_files_only=True,
+                                    dtype=torch.float32)
+    except Exception as exc:  # transformers raises many kinds; translate at the boundary
+        raise ArtifactError(f"cannot load {manifest.path} with transformers: {exc}") from exc
+    model.eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask,
+                             token_type_ids=torch.zeros_like(input_ids))
+            return out.logits if manifest.task is Task.CLASSIFY else out.last_hidden_state
+
+    return Encoder(model).eval()

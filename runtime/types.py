@@ -1,0 +1,94 @@
+"""Shared vocabulary of the runtime: small frozen dataclasses and enums that cross seams."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Task(enum.StrEnum):
+    EMBED = "embed"
+    CLASSIFY = "classify"
+
+
+class Pooling(enum.StrEnum):
+    MEAN = "mean"
+    CLS = "cls"
+    MAX = "max"
+
+
+class BackendName(enum.StrEnum):
+    ONNXRUNTIME = "onnxruntime"
+    TORCH = "torch"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What an artifact is. ``revision`` is a content digest of the weights."""
+
+    name: str
+    path: str
+    revision: str
+    task: Task
+    pooling: Pooling
+    normalize: bool
+    max_tokens: int
+    hidden_size: int
+    tokenizer_path: str
+    safetensors_path: str | None = None
+    onnx_path: str | None = None
+    onnx_output: str | None = None
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A padded forward input: ``input_ids`` and ``attention_mask`` are int64 [rows, tokens]."""
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def padded_tokens(self) -> int:
+        """Input size of the forward: rows x padded length."""
+        return int(self.input_ids.size)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """The output of one forward: one vector per row, and what actually ran it."""
+
+    outputs: np.ndarray  # float32 [rows, dim]: pooled embeddings or logits
+    num_threads: int  # the count the forward stated
+    observed_threads: int  # the count observed from inside the forward
+    forward_s: float
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine arguments of a deployment. Units in names."""
+
+    num_threads: int
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    timeout_ms: int = 30_000
+    cache_entries: int = 4096
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """What the engine reports after each served forward (metrics, tuner)."""
+
+    rows: int
+    padded_tokens: int
+    num_threads: int
+    observed_threads: int
+    forward_s: float
+    requests: int = 1
+    extra: dict = field(default_factory=dict)

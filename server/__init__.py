@@ -1,0 +1,1 @@
+"""The HTTP front end and command line of vllm-srun."""

@@ -1,0 +1,35 @@
+"""Request bodies at the HTTP edge (pydantic), and the error body shape of R7.2."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+MAX_INPUTS = 2048
+
+
+class EmbeddingsBody(BaseModel):
+    """OpenAI's embeddings request, plus ``truncate``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    model: StrictStr | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(default=None, ge=1)
+    user: StrictStr | None = None
+    truncate: StrictBool = False
+
+
+class ClassifyBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input: StrictStr | list[StrictStr]
+    model: StrictStr | None = None
+    truncate: StrictBool = False
+    top_k: StrictInt | None = Field(default=None, ge=1)
+
+
+def error_body(code: str, message: str) -> dict:
+    return {"error": {"code": code, "message": message}}

@@ -1,0 +1,1 @@
+"""Adaptive intra-op thread learning (filled by the adaptive-threads issue)."""
