@@ -190,10 +190,12 @@ class Engine:
 
     def _deliver(self, chosen: list[PendingRow], outputs: np.ndarray) -> None:
         done: list[_Request] = []
+        now = time.monotonic()
         with self._cond:
+            self._expire(now)  # a result that came after its caller's deadline is discarded
             for row, vector in zip(chosen, outputs, strict=True):
                 req = self._requests.get(row.request_id)
-                if req is None:  # expired or cancelled while the forward ran: discard
+                if req is None:  # expired or cancelled while the forward ran
                     continue
                 req.outputs[row.index] = vector
                 req.remaining -= 1

@@ -1,0 +1,135 @@
+"""R3.1, R3.3, R3.4: micro-batching, deadlines and the result cache, with the real model."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from runtime.artifact import resolve
+from runtime.backend import load_backend
+from runtime.errors import ConfigError, DeadlineExceeded, InputTooLong
+from runtime.runner import Runner
+from runtime.types import EngineArgs
+from tests.conftest import L6, words
+
+LONG = [101] + [7592] * 254 + [102]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return load_backend(resolve(L6), "onnxruntime")
+
+
+@pytest.fixture
+def runner(backend):
+    records = []
+    r = Runner(resolve(L6), backend, EngineArgs(num_threads=1), on_forward=records.append)
+    r.records = records
+    r.start()
+    yield r
+    r.stop()
+
+
+def test_concurrent_requests_share_forwards(runner):
+    engine = runner.engine
+    blocker = engine.submit([LONG] * 16)  # keeps the engine busy while the others queue
+    small = [engine.submit([[101] + [7592] * (5 + i % 3) + [102]]) for i in range(24)]
+    blocker.result(timeout=60)
+    outs = [f.result(timeout=60) for f in small]
+    served = [r for r in runner.records if r.padded_tokens < 16 * 256]
+    assert sum(r.rows for r in served) == 24
+    assert len(served) < 24 and max(r.requests for r in served) > 1
+    alone = engine.forward([[101] + [7592] * 5 + [102]], 1).outputs[0]
+    assert np.abs(outs[0][0] - alone).max() < 1e-5
+
+
+def test_a_request_is_answered_as_one_unit_in_order(runner):
+    texts = [words(3), words(100), words(10), words(60)]
+    future, tokens = runner.submit(texts)
+    out = future.result(timeout=60)
+    assert out.shape == (4, 384) and tokens == 3 + 100 + 10 + 60 + 8
+    for i, t in enumerate(texts):
+        single, _ = runner.submit([t])
+        assert np.abs(single.result(timeout=60)[0] - out[i]).max() < 1e-5
+
+
+def test_request_larger_than_max_num_seqs_is_split_but_answered_whole(backend):
+    records = []
+    r = Runner(resolve(L6), backend, EngineArgs(num_threads=1, max_num_seqs=4),
+               on_forward=records.append)
+    r.start()
+    try:
+        out = r.engine.submit([[101, 7592 + i, 102] for i in range(10)]).result(timeout=60)
+    finally:
+        r.stop()
+    assert out.shape == (10, 384)
+    assert [x.rows for x in records] == [4, 4, 2]
+
+
+def test_expired_request_is_dropped_before_its_forward(runner):
+    engine = runner.engine
+    blocker = engine.submit([LONG] * 16)
+    late = engine.submit([[101, 7592, 102]], deadline=time.monotonic() + 0.001)
+    blocker.result(timeout=60)
+    with pytest.raises(DeadlineExceeded):
+        late.result(timeout=60)
+    assert all(r.padded_tokens != 3 for r in runner.records)
+
+
+def test_engine_timeout_ms_bounds_every_request(backend):
+    r = Runner(resolve(L6), backend, EngineArgs(num_threads=1, timeout_ms=1))
+    r.start()
+    try:
+        blocker = r.engine.submit([LONG] * 16)
+        late = r.engine.submit([[101, 7592, 102]])
+        with pytest.raises(DeadlineExceeded):
+            late.result(timeout=60)
+        with pytest.raises(DeadlineExceeded):
+            blocker.result(timeout=60)
+    finally:
+        r.stop()
+
+
+def test_cached_answer_is_returned_for_identical_input(runner):
+    first, _ = runner.submit(["cache me", "and me"])
+    a = first.result(timeout=60)
+    forwards = runner.engine.forwards
+    second, tokens = runner.submit(["and me", "cache me"])
+    b = second.result(timeout=60)
+    assert runner.engine.forwards == forwards and runner.cache.hits >= 2
+    assert np.array_equal(a[::-1], b) and tokens == 4 + 4
+
+
+def test_truncate_is_part_of_the_cache_key(runner):
+    with pytest.raises(InputTooLong):
+        runner.submit([words(300)])
+    out, tokens = runner.submit([words(300)], truncate=True)
+    assert out.result(timeout=60).shape == (1, 384) and tokens == 256
+    with pytest.raises(InputTooLong):  # a cached cut answer never serves a non-truncate call
+        runner.submit([words(300)])
+
+
+def test_bad_input_costs_no_other_request_its_answer(runner):
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        def good(i):
+            return runner.submit([words(5 + i)])[0].result(timeout=60)
+
+        def bad(_):
+            with pytest.raises(InputTooLong):
+                runner.submit([words(1000)])
+
+        futures = [pool.submit(good if i % 2 else bad, i) for i in range(20)]
+        outs = [f.result() for f in futures]
+    assert sum(o is not None for o in outs) == 10
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_threads", 0), ("max_num_seqs", 0),
+                                              ("max_num_batched_tokens", 100),
+                                              ("timeout_ms", -1), ("cache_entries", -1)])
+def test_bad_engine_arguments_name_the_key(backend, field, value):
+    args = {"num_threads": 1, field: value}
+    with pytest.raises(ConfigError, match=field):
+        Runner(resolve(L6), backend, EngineArgs(**args))

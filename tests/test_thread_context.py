@@ -1,0 +1,117 @@
+"""R2.1/R2.2: every forward runs at exactly the count it states, under concurrency.
+
+Two engines at different counts share one process; forwards are interleaved from several
+Python threads while a saboteur thread keeps calling ``torch.set_num_threads`` (which writes
+torch's process-global seed value). The count each forward actually ran with is observed from
+inside the forward: torch's own count and threadpoolctl's view of the OpenMP pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from threadpoolctl import threadpool_info
+
+from runtime.artifact import resolve
+from runtime.backend import OnnxBackend, TorchBackend, load_backend
+from runtime.engine import Engine
+from runtime.threads import ThreadContext, lane_threads
+from runtime.types import EngineArgs
+from tests.conftest import L6, words
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return resolve(L6)
+
+
+@pytest.fixture(scope="module")
+def torch_backend(manifest):
+    return TorchBackend(manifest)
+
+
+class Observer:
+    """A hook inside the model's first layer: records (stated, torch count, OpenMP count)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int | None, int, int]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, _module, _args) -> None:
+        omp = next(i["num_threads"] for i in threadpool_info() if i["internal_api"] == "openmp")
+        with self._lock:
+            self.seen.append((lane_threads(), torch.get_num_threads(), omp))
+
+
+def _saboteur(stop: threading.Event) -> None:
+    counts = [3, 1, 2, 5]
+    i = 0
+    while not stop.is_set():
+        torch.set_num_threads(counts[i % len(counts)])
+        i += 1
+        stop.wait(0.001)
+
+
+def test_concurrent_engines_each_run_at_their_own_count(torch_backend):
+    observer = Observer()
+    handle = torch_backend.module.inner.encoder.layer[0].register_forward_pre_hook(observer)
+    context = ThreadContext()
+    engines = {n: Engine(torch_backend, EngineArgs(num_threads=n), context=context)
+               for n in (1, 2)}
+    for e in engines.values():
+        e.start()
+    stop = threading.Event()
+    saboteur = threading.Thread(target=_saboteur, args=(stop,))
+    saboteur.start()
+    try:
+        rows = [[101] + [7592] * k + [102] for k in (3, 20, 60)]
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            futures = [pool.submit(lambda n=n, r=r: engines[n].submit([r]).result(timeout=60))
+                       for _ in range(10) for n in (1, 2) for r in rows]
+            results = [f.result() for f in futures]
+    finally:
+        stop.set()
+        saboteur.join()
+        handle.remove()
+        for e in engines.values():
+            e.stop()
+        context.shutdown()
+    assert len(results) == 60
+    assert len(observer.seen) >= 30  # micro-batching may merge some forwards
+    assert {s for s, _, _ in observer.seen} == {1, 2}
+    for stated, torch_count, omp_count in observer.seen:
+        assert (torch_count, omp_count) == (stated, stated)
+
+
+def test_forward_results_report_the_observed_count(torch_backend, manifest):
+    context = ThreadContext()
+    engine = Engine(torch_backend, EngineArgs(num_threads=2), context=context)
+    try:
+        for n in (2, 1, 2):
+            torch.set_num_threads(3)  # whatever ran before in the process
+            result = engine.forward([[101, 7592, 102]], n)
+            assert (result.num_threads, result.observed_threads) == (n, n)
+    finally:
+        context.shutdown()
+
+
+def test_onnxruntime_sessions_per_count_reproduce_their_answers(manifest):
+    backend = load_backend(manifest, "onnxruntime")
+    assert isinstance(backend, OnnxBackend)
+    context = ThreadContext()
+    rows = [[101] + [7592] * 8 + [102], [101] + [2088] * 40 + [102]]
+    try:
+        engine = Engine(backend, EngineArgs(num_threads=1), context=context)
+        reference = {n: engine.forward([r], n).outputs for n in (1, 2) for r in rows[:1]}
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(lambda n: engine.forward([rows[0]], n),
+                                    [1, 2] * 20))
+    finally:
+        context.shutdown()
+    for res in results:
+        assert res.observed_threads == res.num_threads
+        assert np.array_equal(res.outputs, reference[res.num_threads])
