@@ -74,8 +74,8 @@ BAD = [
     (b'{"input": "a", "model": "nope"}', 404, "model_not_found"),
     (b'{"input": [[101, 102]]}', 422, "unsupported"),
     (b'{"input": "a", "dimensions": 128}', 422, "unsupported"),
-    (('{"input": "%s"}' % words(255)).encode(), 400, "invalid_request"),
-    (('{"input": [%s]}' % ",".join(['"a"'] * 2049)).encode(), 413, "too_large"),
+    (f'{{"input": "{words(255)}"}}'.encode(), 400, "invalid_request"),
+    (("[" + ",".join(['"a"'] * 2049) + "]").join(['{"input": ', "}"]).encode(), 413, "too_large"),
 ]
 
 

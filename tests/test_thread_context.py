@@ -21,7 +21,7 @@ from runtime.backend import OnnxBackend, TorchBackend, load_backend
 from runtime.engine import Engine
 from runtime.threads import ThreadContext, lane_threads
 from runtime.types import EngineArgs
-from tests.conftest import L6, words
+from tests.conftest import L6
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,1 @@
+"""Benchmarks: measured side by side in one run, reported as ratios."""

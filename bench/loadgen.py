@@ -1,0 +1,76 @@
+"""The one load generator every server is measured with: closed-loop clients over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    clients: int
+    requests: int
+    errors: int
+    wall_s: float
+    latencies_ms: tuple[float, ...]
+
+    @property
+    def throughput_rps(self) -> float:
+        return (self.requests - self.errors) / self.wall_s if self.wall_s else 0.0
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+
+async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
+               model: str | None) -> LoadResult:
+    latencies: list[float] = []
+    errors = 0
+    next_i = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        end = time.perf_counter() + duration_s
+
+        async def one_client() -> None:
+            nonlocal next_i, errors
+            while time.perf_counter() < end:
+                body = dict(payloads[next_i % len(payloads)])
+                next_i += 1
+                if model:
+                    body["model"] = model
+                start = time.perf_counter()
+                try:
+                    r = await client.post("/v1/embeddings", json=body)
+                    ok = r.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                latencies.append((time.perf_counter() - start) * 1000)
+                errors += 0 if ok else 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return LoadResult(clients, len(latencies), errors, wall, tuple(latencies))
+
+
+def run_load(url: str, texts: list[str], clients: int, duration_s: float,
+             model: str | None = None) -> LoadResult:
+    """``clients`` concurrent clients, each sending one text per request, for ``duration_s``."""
+    payloads = [{"input": t} for t in texts]
+    return asyncio.run(_run(url, payloads, clients, duration_s, model))
+
+
+def wait_healthy(url: str, timeout_s: float = 300, path: str = "/health") -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")

@@ -1,0 +1,245 @@
+"""The whole comparison in one run: ``python -m bench.run [--quick] [--out DIR]``.
+
+Every server is started here, one at a time on the same machine, and driven by the same load
+generator (bench/loadgen.py) with the same texts; figures are read as ratios within this run.
+Writes ``report.md`` and ``results.json`` into the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.corpus import texts as make_texts
+from bench.loadgen import run_load, wait_healthy
+from runtime.artifact import resolve
+from runtime.backend import load_backend
+from runtime.budget import cpu_budget
+from runtime.engine import pad
+from runtime.export import ensure_onnx
+from runtime.threads import ThreadContext
+
+MODEL = "all-MiniLM-L6-v2"
+SHORT = "hello world, how are you"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def forward_table(sizes: list[int], counts: list[int], repeats: int) -> list[dict]:
+    manifest = resolve(MODEL)
+    context = ThreadContext()
+    rows = []
+    try:
+        for backend_name in ("onnxruntime", "torch"):
+            backend = load_backend(manifest, backend_name)
+            for tokens in sizes:
+                batch = pad([[101] + [7592] * (tokens - 2) + [102]])
+                per_count = {}
+                for n in counts:
+                    def once(b=backend, n=n, batch=batch):
+                        return b.forward(batch, n)
+
+                    context.run(n, once)  # warm
+                    times = [context.run(n, once).forward_s for _ in range(repeats)]
+                    per_count[n] = [1000 * t for t in times]
+                rows.append({"backend": backend_name, "tokens": tokens, "ms": per_count})
+    finally:
+        context.shutdown()
+    return rows
+
+
+def short_forward_ms(repeats: int) -> float:
+    """Forward p50 of SHORT at the server's default count, onnxruntime, in-process."""
+    from runtime.budget import default_threads
+    from runtime.tokenizer import Tokenizer
+
+    manifest = resolve(MODEL)
+    n = default_threads(cpu_budget())
+    batch = pad(Tokenizer(manifest.tokenizer_path, manifest.max_tokens).encode([SHORT]))
+    backend = load_backend(manifest, "onnxruntime")
+    context = ThreadContext()
+    try:
+        times = [context.run(n, lambda: backend.forward(batch, n)).forward_s
+                 for _ in range(repeats + 5)][5:]
+    finally:
+        context.shutdown()
+    return 1000 * float(np.median(times))
+
+
+class Proc:
+    def __init__(self, cmd: list[str], url: str, env: dict | None = None,
+                 health: str = "/health") -> None:
+        self.url = url
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env={**os.environ, **(env or {})})
+        try:
+            wait_healthy(url, path=health)
+        except TimeoutError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def servers(infinity: str | None) -> dict[str, callable]:
+    py = sys.executable
+    onnx = str(ensure_onnx(resolve(MODEL)))
+    tok = resolve(MODEL).tokenizer_path
+
+    def ours(*flags: str):
+        def start():
+            port = free_port()
+            return Proc([py, "-m", "server.cli", "serve", MODEL, "--port", str(port),
+                         "--cache-entries", "0", "--log-level", "warning", *flags],
+                        f"http://127.0.0.1:{port}")
+        return start
+
+    def fastapi_ort():
+        port = free_port()
+        return Proc([py, "-m", "bench.peers.fastapi_ort", onnx, tok, str(port), "2"],
+                    f"http://127.0.0.1:{port}")
+
+    def infinity_emb():
+        port = free_port()
+        return Proc([infinity, "v2", "--model-id", resolve(MODEL).path, "--engine", "torch",
+                     "--port", str(port), "--served-model-name", MODEL, "--no-model-warmup"],
+                    f"http://127.0.0.1:{port}", env={"HF_HUB_OFFLINE": "1"})
+
+    table = {
+        "vllm-srun (default threads)": ours(),
+        "vllm-srun (2 threads)": ours("--threads", "2"),
+        "vllm-srun (2 threads, no batching)": ours("--threads", "2", "--max-num-seqs", "1"),
+        "fastapi+onnxruntime peer (2 threads)": fastapi_ort,
+    }
+    if infinity:
+        table["infinity-emb 0.0.78 (torch)"] = infinity_emb
+    return table
+
+
+def http_table(levels: list[int], duration_s: float, infinity: str | None) -> dict:
+    corpus = make_texts(20_000, seed=1)
+    results: dict[str, dict] = {}
+    for name, start in servers(infinity).items():
+        try:
+            proc = start()
+        except Exception as exc:  # a peer that cannot start is reported, not hidden
+            results[name] = {"error": str(exc)}
+            continue
+        try:
+            run_load(proc.url, make_texts(64, seed=99), 4, 1.0, MODEL)  # warm
+            per_level = {}
+            for i, clients in enumerate(levels):
+                r = run_load(proc.url, corpus[i * 4000:(i + 1) * 4000], clients, duration_s,
+                             MODEL)
+                per_level[clients] = {"rps": r.throughput_rps, "p50_ms": r.pct(50),
+                                      "p99_ms": r.pct(99), "requests": r.requests,
+                                      "errors": r.errors}
+            short = run_load(proc.url, [SHORT], 1, duration_s, MODEL)
+            per_level["short_p50_ms"] = short.pct(50)
+            results[name] = per_level
+        finally:
+            proc.stop()
+    return results
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.2f}" if x < 100 else f"{x:.0f}"
+
+
+def report(fwd: list[dict], http: dict, levels: list[int], counts: list[int],
+           overhead: dict, args: argparse.Namespace) -> str:
+    lines = ["# vllm-srun benchmark report", "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+             f"CPU budget {cpu_budget()}; Python {platform.python_version()}; "
+             f"{time.strftime('%Y-%m-%d %H:%M')}. Command: `python -m bench.run"
+             f"{' --quick' if args.quick else ''}`.", "",
+             "## Forward time per input size and thread count (L6, batch 1, ms: "
+             "median [min-max])", "",
+             "| backend | tokens | " + " | ".join(f"{n} thr" for n in counts)
+             + f" | {counts[-1]} thr / 1 thr |",
+             "|---|---|" + "---|" * (len(counts) + 1)]
+    for row in fwd:
+        cells = []
+        for n in counts:
+            t = row["ms"][n]
+            cells.append(f"{_fmt(np.median(t))} [{_fmt(min(t))}-{_fmt(max(t))}]")
+        ratio = np.median(row["ms"][counts[-1]]) / np.median(row["ms"][1])
+        lines.append(f"| {row['backend']} | {row['tokens']} | " + " | ".join(cells)
+                     + f" | {ratio:.2f} |")
+    lines += ["", "## HTTP: throughput (req/s) and latency (ms) by concurrent clients", "",
+              "Each request carries one text from a lognormal length distribution (median ~60 "
+              "characters, tail to 3000), all unique; same load generator for every server.", "",
+              "| server | " + " | ".join(f"{c} clients: req/s, p50, p99" for c in levels) + " |",
+              "|---|" + "---|" * len(levels)]
+    for name, res in http.items():
+        if "error" in res:
+            lines.append(f"| {name} | could not run: {res['error'][:120]} |")
+            continue
+        cells = [f"{res[c]['rps']:.0f}, {_fmt(res[c]['p50_ms'])}, {_fmt(res[c]['p99_ms'])}"
+                 + (f" ({res[c]['errors']} errors)" if res[c]["errors"] else "")
+                 for c in levels]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    top = levels[-1]
+    ours = http.get("vllm-srun (default threads)", {})
+    lines += ["", f"## Ratios at {top} clients (throughput) and 1 client (p50)", ""]
+    for name, res in http.items():
+        if "error" in res or name == "vllm-srun (default threads)" or "error" in ours:
+            continue
+        lines.append(f"- vllm-srun (default) / {name}: throughput "
+                     f"{ours[top]['rps'] / res[top]['rps']:.2f}x, p50 at 1 client "
+                     f"{ours[levels[0]]['p50_ms'] / res[levels[0]]['p50_ms']:.2f}x")
+    lines += ["", "## Front-end overhead (short input, 1 client)", "",
+              f"- end-to-end p50 {overhead['e2e_p50_ms']:.2f} ms, forward p50 "
+              f"{overhead['forward_p50_ms']:.2f} ms (same text, same count, in-process), "
+              f"difference {overhead['overhead_ms']:.2f} ms. The difference includes the "
+              "Python load generator's own time per request."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="short run (CI-sized)")
+    parser.add_argument("--out", default="bench/out", help="folder for report.md")
+    parser.add_argument("--infinity", default=os.environ.get("VLLM_SRUN_BENCH_INFINITY"),
+                        help="path of an infinity_emb executable in its own venv")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = sorted({1, 2, cpu_budget()})
+    sizes = [3, 16, 64, 256] if args.quick else [3, 8, 16, 32, 64, 128, 256]
+    fwd = forward_table(sizes, counts, 5 if args.quick else 30)
+    levels = [1, 16] if args.quick else [1, 4, 16, 64]
+    http = http_table(levels, 2.0 if args.quick else 8.0, args.infinity)
+    default = http.get("vllm-srun (default threads)", {})
+    short_fwd = short_forward_ms(50 if args.quick else 300)
+    overhead = {"e2e_p50_ms": default.get("short_p50_ms", float("nan")),
+                "forward_p50_ms": short_fwd}
+    overhead["overhead_ms"] = overhead["e2e_p50_ms"] - overhead["forward_p50_ms"]
+    (out / "results.json").write_text(json.dumps(
+        {"forward": fwd, "http": http, "overhead": overhead}, indent=1, default=float))
+    text = report(fwd, http, levels, counts, overhead, args)
+    (out / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
