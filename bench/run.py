@@ -14,6 +14,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,7 +84,9 @@ class Proc:
     def __init__(self, cmd: list[str], url: str, env: dict | None = None,
                  health: str = "/health") -> None:
         self.url = url
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # read by nobody, so a chatty peer never blocks; closed in stop()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         try:
             wait_healthy(url, path=health)
@@ -97,6 +100,8 @@ class Proc:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 def servers(infinity: str | None) -> dict[str, callable]:
@@ -120,8 +125,9 @@ def servers(infinity: str | None) -> dict[str, callable]:
     def infinity_emb():
         port = free_port()
         return Proc([infinity, "v2", "--model-id", resolve(MODEL).path, "--engine", "torch",
-                     "--port", str(port), "--served-model-name", MODEL, "--no-model-warmup"],
-                    f"http://127.0.0.1:{port}", env={"HF_HUB_OFFLINE": "1"})
+                     "--port", str(port), "--served-model-name", MODEL, "--url-prefix", "/v1"],
+                    f"http://127.0.0.1:{port}", env={"HF_HUB_OFFLINE": "1"},
+                    health="/health")
 
     table = {
         "vllm-srun (default threads)": ours(),

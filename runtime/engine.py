@@ -43,6 +43,8 @@ class ThreadsPolicy(Protocol):
 
     def idle_work(self) -> Callable[[], None] | None: ...
 
+    def close(self) -> None: ...
+
 
 @dataclass
 class FixedThreads:
@@ -57,6 +59,9 @@ class FixedThreads:
         return None
 
     def idle_work(self) -> Callable[[], None] | None:
+        return None
+
+    def close(self) -> None:
         return None
 
 
@@ -116,6 +121,7 @@ class Engine:
             _fail(req.future, EngineStopped("engine stopped"))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.threads.close()
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, rows: list[list[int]], deadline: float | None = None) -> Future:
@@ -133,8 +139,11 @@ class Engine:
         return future
 
     def forward(self, rows: list[list[int]], num_threads: int) -> ForwardResult:
-        """One direct forward at ``num_threads`` (warm-up, golden checks, shadow passes)."""
-        batch = pad(rows)
+        """One direct forward at ``num_threads`` (warm-up, golden checks)."""
+        return self.forward_batch(pad(rows), num_threads)
+
+    def forward_batch(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
+        """One direct forward of a padded batch on the lane of ``num_threads``."""
         return self.context.run(num_threads, lambda: self.backend.forward(batch, num_threads))
 
     # -- the loop --------------------------------------------------------------------------

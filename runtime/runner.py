@@ -49,6 +49,7 @@ class Runner:
         self.engine = Engine(backend, args, threads=threads, on_forward=on_forward)
         self.cache = ResultCache(args.cache_entries if use_cache else 0)
         self.ready = False
+        self.not_ready_reason: str | None = "loading"
 
     @classmethod
     def load(cls, model: str | None, backend: BackendName | str, args: EngineArgs,
@@ -57,15 +58,21 @@ class Runner:
         check_args(args, manifest)
         return cls(manifest, load_backend(manifest, backend), args, **kwargs)
 
-    def start(self) -> None:
-        """Start the engine and run a warm pass at the configured count; then ready."""
+    def start(self, check: Callable[[], str | None] | None = None) -> None:
+        """Start the engine, run a warm pass at the configured count, then ``check`` (e.g.
+        the golden check): ready unless it returns a reason, kept in ``not_ready_reason``."""
         self.engine.start()
         start = time.perf_counter()
         self.engine.forward(self.tokenizer.encode(WARM_TEXTS, truncate=True),
                             self.args.num_threads)
+        if check is not None and (reason := check()) is not None:
+            self.not_ready_reason = reason
+            log.warning("worker_not_ready model=%s reason=%s", self.manifest.name, reason)
+            return
         log.info("worker_ready model=%s revision=%s backend=%s num_threads=%d warm_s=%.3f",
                  self.manifest.name, self.manifest.revision, self.backend.name.value,
                  self.args.num_threads, time.perf_counter() - start)
+        self.not_ready_reason = None
         self.ready = True
 
     def stop(self) -> None:

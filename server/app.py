@@ -32,6 +32,7 @@ from runtime.errors import (
 )
 from runtime.runner import Runner
 from runtime.types import Task
+from server.deployment import Deployment
 from server.metrics import Metrics
 from server.schemas import MAX_INPUTS, ClassifyBody, EmbeddingsBody, error_body
 
@@ -67,9 +68,9 @@ class ServerOptions:
 class ServerState:
     """The one deployment this server serves; loaded in the background after binding."""
 
-    def __init__(self, load: Callable[[], Runner], options: ServerOptions,
+    def __init__(self, deployment: Deployment, options: ServerOptions,
                  on_load_failure: Callable[[str], None] | None = None) -> None:
-        self._load = load
+        self.deployment_spec = deployment
         self.options = options
         self.metrics = Metrics()
         self.runner: Runner | None = None
@@ -83,9 +84,7 @@ class ServerState:
 
     def _load_now(self) -> None:
         try:
-            runner = self._load()
-            runner.engine.on_forward = self.metrics.record_forward
-            runner.start()
+            runner = self.deployment_spec.load(on_forward=self.metrics.record_forward)
         except Exception as exc:
             self.not_ready_reason = f"load failed: {exc}"
             log.error("model_load_failed error=%s", exc)
@@ -93,11 +92,14 @@ class ServerState:
                 self._on_load_failure(str(exc))
             return
         self.runner = runner
-        self.metrics.ready.set(1)
+        if runner.ready:
+            self.metrics.ready.set(1)
+        else:
+            self.not_ready_reason = runner.not_ready_reason or "not ready"
 
     def deployment(self, model: str | None) -> Runner:
         runner = self.runner
-        if runner is None:
+        if runner is None or not runner.ready:
             raise ApiError(503, "not_ready", f"model is not ready: {self.not_ready_reason}",
                            {"Retry-After": "1"})
         names = {runner.manifest.name, *self.options.served_names}
@@ -287,6 +289,10 @@ def create_app(state: ServerState) -> FastAPI:
         if state.runner is None or not state.runner.ready:
             return _json(error_body("not_ready", state.not_ready_reason), 503)
         return _json({"status": "ok", "model": state.runner.manifest.name})
+
+    @app.get("/v1/threads")
+    async def threads() -> Response:
+        return _json(state.deployment_spec.threads_report(state.runner))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -69,36 +69,66 @@ def build_parser() -> argparse.ArgumentParser:
                        default=4 * 1024 * 1024, help="largest request body accepted")
     serve.add_argument("--cache-entries", type=int, default=4096,
                        help="rows kept in the result cache (0 turns it off)")
+    _add_threads_flags(serve)
+    serve.add_argument("--mkl-cbwr", action="store_true",
+                       help="torch backend: run with MKL_CBWR=AUTO (MKL's reproducible mode, "
+                            "set before torch loads), which makes answers bit-identical across "
+                            "thread counts on hosts where they otherwise drift")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
+    from server.threads_cli import add_threads_commands
+
+    add_threads_commands(sub, _add_threads_flags)
     return parser
+
+
+def _add_threads_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-threads", type=_positive("--max-threads"), default=None,
+                   help="adaptive threads: highest count to try (default: the configured count;"
+                        " capped by the CPU budget; also $VLLM_SRUN_CPU_MAX_THREADS)")
+    p.add_argument("--record", default=None,
+                   help="host record file (default: $VLLM_SRUN_RECORD, else "
+                        "host-record.sqlite in the user's data folder)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         if args.command == "serve":
-            return serve(args)
+            return serve(args, sys.argv[1:] if argv is None else argv)
+        from server.threads_cli import run_threads
+
+        return run_threads(args)
     except RuntimeFault as exc:
         print(f"vllm-srun: error: {exc}", file=sys.stderr)
         return 2
     return 2
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
     from runtime.artifact import resolve
     from runtime.budget import configured_threads, cpu_budget
     from runtime.errors import ConfigError
-    from runtime.runner import Runner, check_args
+    from runtime.runner import check_args
     from runtime.types import EngineArgs
     from server.app import ServerOptions, ServerState, create_app
+    from server.deployment import Deployment, DeploymentSpec
+    from tuner.modes import max_threads, parse_mode
 
+    if args.mkl_cbwr:
+        if args.backend != BackendName.TORCH.value:
+            raise ConfigError("--mkl-cbwr applies to the torch backend only (--backend torch)")
+        if os.environ.get("MKL_CBWR") != "AUTO":  # MKL reads it once, when torch loads
+            os.execve(sys.executable, [sys.executable, "-m", "server.cli", *argv],
+                      {**os.environ, "MKL_CBWR": "AUTO"})
     budget = cpu_budget()
     num_threads = configured_threads(budget, args.threads)
+    mode = parse_mode()
+    top = max_threads(budget, args.max_threads)
     if args.cache_entries < 0:
         raise ConfigError(f"--cache-entries must be >= 0, got {args.cache_entries}")
     engine_args = EngineArgs(num_threads=num_threads, max_num_seqs=args.max_num_seqs,
@@ -107,6 +137,8 @@ def serve(args: argparse.Namespace) -> int:
     manifest = resolve(args.model)  # fail fast on a bad MODEL, before binding
     check_args(engine_args, manifest)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    deployment = Deployment(DeploymentSpec(args.model, args.backend, engine_args, budget, mode,
+                                           top, args.record), manifest)
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,9 +153,7 @@ def serve(args: argparse.Namespace) -> int:
         if server_box:
             server_box[0].should_exit = True
 
-    state = ServerState(lambda: Runner(manifest, _load_backend(manifest, args.backend),
-                                       engine_args),
-                        ServerOptions(max_body_bytes=args.max_body_bytes,
+    state = ServerState(deployment, ServerOptions(max_body_bytes=args.max_body_bytes,
                                       served_names=(args.model,)),
                         on_load_failure)
     config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
@@ -132,16 +162,11 @@ def serve(args: argparse.Namespace) -> int:
     server_box.append(server)
     shown = f"[{host}]" if ":" in host else host
     print(f"vllm-srun: serving {manifest.name} (backend {args.backend}, {num_threads} threads, "
-          f"CPU budget {budget}) on http://{shown}:{port}", flush=True)
+          f"CPU budget {budget}, adaptive threads mode {int(mode)}) on http://{shown}:{port}",
+          flush=True)
     state.load_in_background()
     server.run(sockets=[sock])
     return 1 if state.runner is None else 0
-
-
-def _load_backend(manifest, backend):
-    from runtime.backend import load_backend
-
-    return load_backend(manifest, backend)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,14 @@ def test_bad_deadline_header_and_classify_on_an_embedder(client, reference):
     assert_still_serves(client, reference)
 
 
+def test_caller_deadline_gives_504_and_the_server_still_serves(client, reference):
+    texts = [words(250) + f" {i}" for i in range(64)]
+    r = client.post("/v1/embeddings", json={"input": texts},
+                    headers={"x-request-timeout-ms": "1"})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+    assert_still_serves(client, reference)
+
+
 def test_concurrent_good_and_bad_requests_all_get_their_own_answer(client, reference):
     def call(i):
         if i % 3 == 0:

@@ -8,6 +8,7 @@ inside the forward: torch's own count and threadpoolctl's view of the OpenMP poo
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,7 +43,9 @@ class Observer:
         self._lock = threading.Lock()
 
     def __call__(self, _module, _args) -> None:
-        omp = next(i["num_threads"] for i in threadpool_info() if i["internal_api"] == "openmp")
+        omp = next(i["num_threads"] for i in threadpool_info()  # torch's own libgomp: other
+                   if i["internal_api"] == "openmp"  # packages may load one of their own
+                   and f"torch{os.sep}lib" in i["filepath"])
         with self._lock:
             self.seen.append((lane_threads(), torch.get_num_threads(), omp))
 

@@ -1,0 +1,359 @@
+"""The SQLite host record (R4.9): golden digests, timing samples, learned counts, vouchers and
+drift events, keyed by scope = (host fingerprint, artifact revision, backend).
+
+How it works: one file per host, WAL mode, a busy timeout, and one short transaction per
+write, so several workers can write at once and a killed writer loses nothing committed.
+The file is ours when its ``application_id`` says so; its ``user_version`` is the schema
+version, migrated forward in order. A file that is not SQLite, belongs to someone else or
+comes from a newer schema is moved aside (quarantined) with a warning and a fresh one is
+started: opening a record never crashes a worker. If the record cannot be written at all,
+``HostRecordError`` says why and callers keep learning in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlite_utils
+
+log = logging.getLogger(__name__)
+
+APPLICATION_ID = 0x76735275  # "vsRu"
+MAX_SAMPLES = 256  # timing samples kept per (scope, range, count)
+
+MIGRATIONS: list[list[str]] = [
+    [  # 1: the base tables
+        """CREATE TABLE hosts (fingerprint TEXT PRIMARY KEY, details TEXT NOT NULL,
+           first_seen REAL NOT NULL)""",
+        """CREATE TABLE workers (fingerprint TEXT, revision TEXT, backend TEXT,
+           model TEXT NOT NULL, mode INTEGER NOT NULL, configured INTEGER NOT NULL,
+           counts TEXT NOT NULL, updated_at REAL NOT NULL,
+           PRIMARY KEY (fingerprint, revision, backend))""",
+        """CREATE TABLE golden (fingerprint TEXT, revision TEXT, backend TEXT,
+           digest TEXT NOT NULL, created_at REAL NOT NULL,
+           PRIMARY KEY (fingerprint, revision, backend))""",
+        """CREATE TABLE timings (fingerprint TEXT, revision TEXT, backend TEXT,
+           size_lo INTEGER, num_threads INTEGER, samples_ms TEXT NOT NULL,
+           updated_at REAL NOT NULL,
+           PRIMARY KEY (fingerprint, revision, backend, size_lo, num_threads))""",
+        """CREATE TABLE learned (fingerprint TEXT, revision TEXT, backend TEXT,
+           size_lo INTEGER, num_threads INTEGER NOT NULL, speedup REAL NOT NULL,
+           verified_passes INTEGER NOT NULL, updated_at REAL NOT NULL,
+           PRIMARY KEY (fingerprint, revision, backend, size_lo))""",
+        """CREATE TABLE vouchers (id INTEGER PRIMARY KEY, fingerprint TEXT, revision TEXT,
+           backend TEXT, source TEXT NOT NULL, comparisons INTEGER NOT NULL,
+           mismatches INTEGER NOT NULL, created_at REAL NOT NULL)""",
+        """CREATE TABLE drift (id INTEGER PRIMARY KEY, fingerprint TEXT, revision TEXT,
+           backend TEXT, padded_tokens INTEGER NOT NULL, served_threads INTEGER NOT NULL,
+           shadow_threads INTEGER NOT NULL, first_index TEXT NOT NULL,
+           served_value REAL NOT NULL, shadow_value REAL NOT NULL,
+           created_at REAL NOT NULL, reset_at REAL)""",
+    ],
+    [  # 2: scope lookups by index
+        "CREATE INDEX vouchers_scope ON vouchers (fingerprint, revision, backend)",
+        "CREATE INDEX drift_scope ON drift (fingerprint, revision, backend)",
+    ],
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class HostRecordError(Exception):
+    """The record cannot be opened or written (the message says where and why)."""
+
+
+@dataclass(frozen=True)
+class Scope:
+    fingerprint: str
+    revision: str
+    backend: str
+
+    def where(self) -> tuple[str, list[str]]:
+        return ("fingerprint = ? AND revision = ? AND backend = ?",
+                [self.fingerprint, self.revision, self.backend])
+
+
+@dataclass(frozen=True)
+class DriftEvent:
+    padded_tokens: int
+    served_threads: int
+    shadow_threads: int
+    first_index: tuple[int, ...]  # (row, element) of the first differing element
+    served_value: float
+    shadow_value: float
+    created_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Voucher:
+    comparisons: int
+    mismatches: int
+    swept: bool  # a ``threads verify`` sweep contributed
+
+    @property
+    def vouches(self) -> bool:
+        return self.swept and self.comparisons > 0 and self.mismatches == 0
+
+
+class HostRecord:
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.quarantined: Path | None = None
+        self._lock = threading.Lock()
+        self._conn = self._open()
+
+    # -- opening -------------------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                                   check_same_thread=False)
+        except (OSError, sqlite3.Error) as exc:
+            raise HostRecordError(f"cannot open host record {self.path}: {exc}") from exc
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        conn = self._connect()
+        try:
+            problem = self._check(conn)
+        except sqlite3.DatabaseError as exc:
+            problem = f"not a readable SQLite file ({exc})"
+        if problem is None:
+            try:
+                self._migrate(conn)
+                return conn
+            except sqlite3.OperationalError as exc:
+                conn.close()
+                raise HostRecordError(f"cannot write host record {self.path}: {exc}") from exc
+            except sqlite3.DatabaseError as exc:
+                problem = f"damaged ({exc})"
+        conn.close()
+        self._quarantine(problem)
+        conn = self._connect()
+        try:
+            self._migrate(conn)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise HostRecordError(f"cannot write host record {self.path}: {exc}") from exc
+        return conn
+
+    def _check(self, conn: sqlite3.Connection) -> str | None:
+        """None if the file is ours (or new); else why it must be moved aside."""
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        if app_id == 0 and tables == 0:
+            return None  # new or empty file
+        if app_id != APPLICATION_ID:
+            return f"not a vllm-srun host record (application_id {app_id:#x})"
+        if version > SCHEMA_VERSION:
+            return f"schema version {version} is newer than this program's {SCHEMA_VERSION}"
+        if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            return "failed SQLite's integrity check"
+        return None
+
+    def _quarantine(self, problem: str) -> None:
+        target = self.path.with_name(f"{self.path.name}.quarantined-{int(time.time())}")
+        for suffix in ("-wal", "-shm"):
+            side = Path(str(self.path) + suffix)
+            if side.exists():
+                side.replace(Path(str(target) + suffix))
+        try:
+            self.path.replace(target)
+        except OSError as exc:
+            raise HostRecordError(
+                f"host record {self.path} is {problem}, and cannot be moved aside: {exc}"
+            ) from exc
+        self.quarantined = target
+        log.warning("host_record_quarantined path=%s moved_to=%s reason=%s",
+                    self.path, target, problem)
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        for number in range(version + 1, SCHEMA_VERSION + 1):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                current = conn.execute("PRAGMA user_version").fetchone()[0]
+                if current < number:  # another worker may have migrated meanwhile
+                    for statement in MIGRATIONS[number - 1]:
+                        conn.execute(statement)
+                    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                    conn.execute(f"PRAGMA user_version = {number}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite_utils.Database]:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield sqlite_utils.Database(self._conn)
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise HostRecordError(f"cannot write host record {self.path}: {exc}") from exc
+
+    def _rows(self, sql: str, params: list) -> list[sqlite3.Row]:
+        with self._lock:
+            cur = self._conn.execute(sql, params)
+            names = [d[0] for d in cur.description]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- hosts and golden answers --------------------------------------------------------
+    def note_host(self, fingerprint: str, details: dict) -> None:
+        with self._write() as db:
+            db["hosts"].insert({"fingerprint": fingerprint, "details": json.dumps(details),
+                                "first_seen": time.time()}, ignore=True)
+
+    def note_worker(self, scope: Scope, model: str, mode: int, configured: int,
+                    counts: list[int]) -> None:
+        """The last worker configuration seen for a scope (for offline reports)."""
+        with self._write() as db:
+            db["workers"].upsert({**_scope(scope), "model": model, "mode": mode,
+                                  "configured": configured, "counts": json.dumps(counts),
+                                  "updated_at": time.time()},
+                                 pk=("fingerprint", "revision", "backend"))
+
+    def worker(self, scope: Scope) -> dict | None:
+        where, params = scope.where()
+        rows = self._rows(f"SELECT model, mode, configured, counts FROM workers WHERE {where}",
+                          params)
+        if not rows:
+            return None
+        return {**rows[0], "counts": json.loads(rows[0]["counts"])}
+
+    def golden(self, scope: Scope) -> str | None:
+        where, params = scope.where()
+        rows = self._rows(f"SELECT digest FROM golden WHERE {where}", params)
+        return rows[0]["digest"] if rows else None
+
+    def put_golden(self, scope: Scope, digest: str) -> None:
+        with self._write() as db:
+            db["golden"].insert({**_scope(scope), "digest": digest, "created_at": time.time()},
+                                ignore=True)
+
+    # -- timings and learned counts --------------------------------------------------------
+    def add_samples(self, scope: Scope, size_lo: int, num_threads: int,
+                    samples_ms: list[float]) -> None:
+        where, params = scope.where()
+        with self._write() as db:
+            rows = list(db.query(f"SELECT samples_ms FROM timings WHERE {where} AND size_lo = ? "
+                                 "AND num_threads = ?", [*params, size_lo, num_threads]))
+            kept = json.loads(rows[0]["samples_ms"]) if rows else []
+            kept = (kept + [round(s, 4) for s in samples_ms])[-MAX_SAMPLES:]
+            db["timings"].upsert({**_scope(scope), "size_lo": size_lo,
+                                  "num_threads": num_threads, "samples_ms": json.dumps(kept),
+                                  "updated_at": time.time()},
+                                 pk=("fingerprint", "revision", "backend", "size_lo",
+                                     "num_threads"))
+
+    def timings(self, scope: Scope) -> dict[int, dict[int, list[float]]]:
+        """size_lo -> num_threads -> samples (ms), oldest first."""
+        where, params = scope.where()
+        out: dict[int, dict[int, list[float]]] = {}
+        for row in self._rows(f"SELECT size_lo, num_threads, samples_ms FROM timings "
+                              f"WHERE {where}", params):
+            out.setdefault(row["size_lo"], {})[row["num_threads"]] = json.loads(
+                row["samples_ms"])
+        return out
+
+    def clear_timings(self, scope: Scope, size_lo: int) -> None:
+        """Forget one range's samples (relearning)."""
+        where, params = scope.where()
+        with self._write() as db:
+            db.execute(f"DELETE FROM timings WHERE {where} AND size_lo = ?", [*params, size_lo])
+
+    def put_learned(self, scope: Scope, size_lo: int, num_threads: int, speedup: float,
+                    verified_passes: int) -> None:
+        with self._write() as db:
+            db["learned"].upsert({**_scope(scope), "size_lo": size_lo,
+                                  "num_threads": num_threads, "speedup": speedup,
+                                  "verified_passes": verified_passes, "updated_at": time.time()},
+                                 pk=("fingerprint", "revision", "backend", "size_lo"))
+
+    def learned(self, scope: Scope) -> dict[int, dict]:
+        where, params = scope.where()
+        return {r["size_lo"]: r for r in self._rows(
+            f"SELECT size_lo, num_threads, speedup, verified_passes FROM learned WHERE {where}",
+            params)}
+
+    # -- vouchers and drift ----------------------------------------------------------------
+    def add_voucher(self, scope: Scope, source: str, comparisons: int, mismatches: int) -> None:
+        with self._write() as db:
+            db["vouchers"].insert({**_scope(scope), "source": source,
+                                   "comparisons": comparisons, "mismatches": mismatches,
+                                   "created_at": time.time()})
+
+    def voucher(self, scope: Scope) -> Voucher:
+        where, params = scope.where()
+        rows = self._rows(f"SELECT source, sum(comparisons) AS c, sum(mismatches) AS m "
+                          f"FROM vouchers WHERE {where} GROUP BY source", params)
+        return Voucher(comparisons=sum(r["c"] for r in rows),
+                       mismatches=sum(r["m"] for r in rows),
+                       swept=any(r["source"] == "verify" for r in rows))
+
+    def record_drift(self, scope: Scope, event: DriftEvent) -> None:
+        with self._write() as db:
+            db["drift"].insert({**_scope(scope), "padded_tokens": event.padded_tokens,
+                                "served_threads": event.served_threads,
+                                "shadow_threads": event.shadow_threads,
+                                "first_index": json.dumps(list(event.first_index)),
+                                "served_value": event.served_value,
+                                "shadow_value": event.shadow_value,
+                                "created_at": event.created_at or time.time()})
+
+    def drift(self, scope: Scope) -> DriftEvent | None:
+        """The drift event that retired learning for this scope, unless reset."""
+        where, params = scope.where()
+        rows = self._rows(f"SELECT * FROM drift WHERE {where} AND reset_at IS NULL "
+                          "ORDER BY id LIMIT 1", params)
+        if not rows:
+            return None
+        r = rows[0]
+        return DriftEvent(r["padded_tokens"], r["served_threads"], r["shadow_threads"],
+                          tuple(json.loads(r["first_index"])), r["served_value"],
+                          r["shadow_value"], r["created_at"])
+
+    def reset(self, scope: Scope) -> None:
+        """Operator reset: forget drift, learned counts and timings for the scope."""
+        where, params = scope.where()
+        with self._write() as db:
+            db.execute(f"UPDATE drift SET reset_at = ? WHERE {where} AND reset_at IS NULL",
+                       [time.time(), *params])
+            db.execute(f"DELETE FROM learned WHERE {where}", params)
+            db.execute(f"DELETE FROM timings WHERE {where}", params)
+
+    def scopes(self) -> list[Scope]:
+        rows = self._rows("SELECT fingerprint, revision, backend FROM workers UNION "
+                          "SELECT fingerprint, revision, backend FROM golden UNION "
+                          "SELECT fingerprint, revision, backend FROM timings UNION "
+                          "SELECT fingerprint, revision, backend FROM vouchers", [])
+        return [Scope(r["fingerprint"], r["revision"], r["backend"]) for r in rows]
+
+
+def _scope(scope: Scope) -> dict:
+    return {"fingerprint": scope.fingerprint, "revision": scope.revision,
+            "backend": scope.backend}
+
+
+def default_record_path(data_dir: Path) -> Path:
+    return Path(os.environ.get("VLLM_SRUN_RECORD") or data_dir / "host-record.sqlite")

@@ -1,0 +1,98 @@
+"""Assembling one worker's deployment: artifact, backend, engine arguments and, when asked,
+the adaptive thread tuner with its host record."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from records.host_record import HostRecord, HostRecordError, Scope, default_record_path
+from runtime.artifact import resolve
+from runtime.backend import Backend, load_backend
+from runtime.host import host_fingerprint
+from runtime.paths import data_dir
+from runtime.runner import Runner
+from runtime.types import EngineArgs, ForwardRecord, Manifest
+from tuner.adaptive import AdaptiveThreads, TunerSettings
+from tuner.golden import golden_rows, reference_outputs
+from tuner.modes import AdaptiveMode, allowed_counts
+from tuner.report import build, from_tuner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    model: str
+    backend: str
+    args: EngineArgs
+    budget: int
+    mode: AdaptiveMode = AdaptiveMode.OFF
+    max_threads: int | None = None
+    record_path: str | None = None
+    settings: TunerSettings | None = None
+
+
+def record_path(spec_path: str | None) -> Path:
+    return Path(spec_path) if spec_path else default_record_path(data_dir())
+
+
+def open_record(path: Path) -> tuple[HostRecord | None, str | None]:
+    try:
+        return HostRecord(path), None
+    except HostRecordError as exc:
+        log.error("host_record_unavailable path=%s error=%s", path, exc)
+        return None, str(exc)
+
+
+def scope_for(manifest: Manifest, backend: Backend, budget: int) -> Scope:
+    fingerprint, _ = host_fingerprint(backend.name, budget)
+    return Scope(fingerprint, manifest.revision, backend.name.value)
+
+
+class Deployment:
+    """Builds and starts the Runner of a spec; keeps the tuner for reports."""
+
+    def __init__(self, spec: DeploymentSpec, manifest: Manifest | None = None) -> None:
+        self.spec = spec
+        self.manifest = manifest or resolve(spec.model)
+        self.tuner: AdaptiveThreads | None = None
+        self.record_path = record_path(spec.record_path)
+
+    def load(self, on_forward: Callable[[ForwardRecord], None] | None = None) -> Runner:
+        spec, manifest = self.spec, self.manifest
+        backend = load_backend(manifest, spec.backend)
+        if spec.mode is AdaptiveMode.OFF:
+            runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
+            runner.start()
+            return runner
+        counts = allowed_counts(spec.args.num_threads, spec.max_threads)
+        record, error = open_record(self.record_path)
+        scope = scope_for(manifest, backend, spec.budget)
+        if record is not None:
+            try:
+                record.note_host(scope.fingerprint, host_fingerprint(backend.name,
+                                                                     spec.budget)[1])
+                record.note_worker(scope, manifest.name, int(spec.mode), spec.args.num_threads,
+                                   list(counts))
+            except HostRecordError as exc:
+                error = str(exc)
+        runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
+        tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
+                                runner.engine.forward_batch, spec.settings)
+        tuner.record_error = tuner.record_error or error
+        runner.engine.threads = tuner
+        self.tuner = tuner
+        runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer),
+                                                 reference_outputs(manifest.revision)))
+        return runner
+
+    def threads_report(self, runner: Runner | None) -> dict:
+        if self.tuner is not None:
+            return build(from_tuner(self.tuner, str(self.record_path)))
+        num_threads = runner.args.num_threads if runner else self.spec.args.num_threads
+        return {"mode": 0, "configured_threads": num_threads, "allowed_counts": [num_threads],
+                "ranges": [], "notes": ["adaptive threads are off "
+                                        "(VLLM_SRUN_CPU_ADAPTIVE_THREADS unset or 0)"]}

@@ -1,0 +1,40 @@
+"""Golden inputs of the start-up check (R4.3) and the artifacts' reference outputs.
+
+Reference outputs ship for the built-in L6 model (computed with sentence-transformers, the
+model's reference library); other artifacts store their first golden answer unchecked.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+
+from runtime.tokenizer import Tokenizer
+
+GOLDEN_TEXTS = (
+    "hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Thread counts may change how sums are split, and so the last bit of an answer. " * 3,
+    "search: how do I learn the fastest thread count for each input size?",
+)
+_REFERENCE = Path(__file__).with_name("golden_reference.json")
+
+
+def golden_rows(tokenizer: Tokenizer) -> list[list[int]]:
+    return tokenizer.encode(GOLDEN_TEXTS, truncate=True)
+
+
+def reference_outputs(revision: str) -> np.ndarray | None:
+    """float32 [len(GOLDEN_TEXTS), dim] for a known artifact revision, else None."""
+    try:
+        table = json.loads(_REFERENCE.read_text())
+    except (OSError, ValueError):
+        return None
+    entry = table.get(revision)
+    if entry is None:
+        return None
+    flat = np.frombuffer(base64.b64decode(entry["float32_le"]), "<f4")
+    return flat.reshape(entry["shape"]).astype(np.float32)

@@ -1,0 +1,54 @@
+"""Adaptive-threads modes and allowed counts (R4.1, R4.2)."""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+
+from runtime.budget import parse_threads
+from runtime.errors import ConfigError
+
+ADAPTIVE_ENV = "VLLM_SRUN_CPU_ADAPTIVE_THREADS"
+MAX_THREADS_ENV = "VLLM_SRUN_CPU_MAX_THREADS"
+
+
+class AdaptiveMode(enum.IntEnum):
+    OFF = 0  # no learning
+    LEARN = 1  # learn and report; serve at the configured count
+    SERVE = 2  # also serve learned counts once verified and vouched for
+
+
+def parse_mode(env: Mapping[str, str] | None = None) -> AdaptiveMode:
+    env = os.environ if env is None else env
+    raw = env.get(ADAPTIVE_ENV, "").strip()
+    if raw in ("", "0"):
+        return AdaptiveMode.OFF
+    if raw in ("1", "2"):
+        return AdaptiveMode(int(raw))
+    raise ConfigError(f"{ADAPTIVE_ENV} must be unset, 0, 1 or 2, got {env[ADAPTIVE_ENV]!r}")
+
+
+def max_threads(budget: int, flag: int | None = None,
+                env: Mapping[str, str] | None = None) -> int | None:
+    """The highest count learning may try (``--max-threads`` / $VLLM_SRUN_CPU_MAX_THREADS),
+    capped by the budget; None means the configured count."""
+    env = os.environ if env is None else env
+    if flag is not None:
+        if flag < 1:
+            raise ConfigError(f"--max-threads must be a positive integer, got {flag}")
+        return min(flag, budget)
+    raw = env.get(MAX_THREADS_ENV, "")
+    return min(parse_threads(raw, MAX_THREADS_ENV), budget) if raw.strip() else None
+
+
+def allowed_counts(configured: int, top: int | None = None) -> tuple[int, ...]:
+    """1, the powers of two, and the configured count, none above ``top`` (default: the
+    configured count)."""
+    top = max(configured, top or configured)
+    counts = {configured}
+    n = 1
+    while n <= top:
+        counts.add(n)
+        n *= 2
+    return tuple(sorted(counts))

@@ -1,0 +1,158 @@
+"""The learned-thread report (R4.10): one plain-data shape for ``GET /v1/threads`` and
+``vllm-srun threads report``, a text table and a plot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from records.host_record import DriftEvent, Scope, Voucher
+from tuner.adaptive import AdaptiveThreads, RangeLearning
+from tuner.modes import AdaptiveMode
+from tuner.policy import RangeState, speedup, summarize
+
+CBWR_REMEDY = ("answers drifted across thread counts with the torch backend; start the worker "
+               "with --mkl-cbwr (sets MKL_CBWR=AUTO before torch loads), which made this kind "
+               "of host bit-identical across counts, then `vllm-srun threads reset`")
+
+
+@dataclass(frozen=True)
+class ReportInput:
+    mode: AdaptiveMode
+    configured: int
+    counts: tuple[int, ...]
+    scope: Scope
+    ranges: dict[int, RangeLearning]
+    voucher: Voucher
+    drift: DriftEvent | None
+    locked_reason: str | None = None
+    record_path: str | None = None
+    record_error: str | None = None
+
+
+def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
+    return ReportInput(t.mode, t.configured, t.counts, t.scope, t.ranges, t.voucher, t.retired,
+                       t.locked_reason, record_path, t.record_error)
+
+
+def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
+    if inp.drift is not None:
+        return RangeState.RETIRED
+    if inp.locked_reason is not None:
+        return RangeState.LOCKED
+    if r.learned is None:
+        return RangeState.RELEARNING if r.relearning else RangeState.EXPLORING
+    if inp.mode is AdaptiveMode.SERVE and r.learned != inp.configured:
+        if not inp.voucher.vouches:
+            return RangeState.NO_VOUCHER
+        return RangeState.SERVING if r.serving else RangeState.VERIFYING
+    return RangeState.LEARNED
+
+
+def build(inp: ReportInput) -> dict:
+    ranges = []
+    for lo in sorted(inp.ranges):
+        r = inp.ranges[lo]
+        per_count = {}
+        for n in inp.counts:
+            s = summarize(r.samples.get(n, []))
+            per_count[str(n)] = ({"median_ms": round(s.median_ms, 3), "p90_ms": round(s.p90_ms, 3),
+                                  "samples": s.samples} if s else
+                                 {"median_ms": None, "p90_ms": None, "samples": 0})
+        served = r.learned if (r.serving and inp.drift is None) else inp.configured
+        up = speedup(r.samples, inp.configured, r.learned) if r.learned else None
+        ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
+                       "counts": per_count, "learned_threads": r.learned,
+                       "speedup": round(up, 3) if up else None,
+                       "verified_passes": r.streak, "state": range_state(inp, r).value})
+    notes = []
+    if inp.mode is AdaptiveMode.SERVE and not inp.voucher.vouches:
+        notes.append("mode 2 acts as mode 1: the host record has no voucher of bit-identity "
+                     "across counts for this host, revision and backend (run `vllm-srun threads "
+                     "verify`)" + (f"; {inp.voucher.mismatches} mismatches recorded"
+                                   if inp.voucher.mismatches else ""))
+    if inp.drift is not None and inp.scope.backend == "torch":
+        notes.append(CBWR_REMEDY)
+    if inp.locked_reason:
+        notes.append(inp.locked_reason)
+    if inp.record_error:
+        notes.append(f"host record not written, learning kept in memory: {inp.record_error}")
+    return {
+        "mode": int(inp.mode), "configured_threads": inp.configured,
+        "allowed_counts": list(inp.counts),
+        "scope": {"fingerprint": inp.scope.fingerprint, "revision": inp.scope.revision,
+                  "backend": inp.scope.backend},
+        "record": inp.record_path,
+        "voucher": {"comparisons": inp.voucher.comparisons,
+                    "mismatches": inp.voucher.mismatches, "swept": inp.voucher.swept,
+                    "vouches": inp.voucher.vouches},
+        "drift": None if inp.drift is None else {
+            "padded_tokens": inp.drift.padded_tokens,
+            "served_threads": inp.drift.served_threads,
+            "shadow_threads": inp.drift.shadow_threads,
+            "first_index": list(inp.drift.first_index),
+            "served_value": inp.drift.served_value, "shadow_value": inp.drift.shadow_value},
+        "locked_reason": inp.locked_reason,
+        "notes": notes,
+        "ranges": ranges,
+    }
+
+
+def table(report: dict) -> str:
+    counts = [str(n) for n in report["allowed_counts"]]
+    head = ["range", "served", *[f"{n} thr ms (p50/p90/n)" for n in counts], "learned",
+            "speed-up", "state"]
+    rows = [head]
+    for r in report["ranges"]:
+        cells = [r["size_range"], str(r["served_threads"])]
+        for n in counts:
+            c = r["counts"][n]
+            cells.append("-" if not c["samples"] else
+                         f"{c['median_ms']:.2f}/{c['p90_ms']:.2f}/{c['samples']}")
+        cells += [str(r["learned_threads"] or "-"),
+                  f"{r['speedup']:.2f}x" if r["speedup"] else "-", r["state"]]
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    s = report["scope"]
+    top = [f"scope: host {s['fingerprint']}  revision {s['revision']}  backend {s['backend']}",
+           f"mode {report['mode']}, configured {report['configured_threads']} threads, "
+           f"allowed {report['allowed_counts']}; voucher: "
+           f"{'yes' if report['voucher']['vouches'] else 'no'} "
+           f"({report['voucher']['comparisons']} comparisons, "
+           f"{report['voucher']['mismatches']} mismatches)"]
+    if report["drift"]:
+        d = report["drift"]
+        top.append(f"RETIRED BY DRIFT: {d['padded_tokens']} padded tokens, served at "
+                   f"{d['served_threads']} vs shadow at {d['shadow_threads']} threads, first "
+                   f"difference at {d['first_index']}: {d['served_value']!r} vs "
+                   f"{d['shadow_value']!r}")
+    return "\n".join(top + lines + [f"note: {n}" for n in report["notes"]]) + "\n"
+
+
+def plot(reports: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(reports), 1, figsize=(8, 3.5 * len(reports)), squeeze=False)
+    for ax, rep in zip(axes[:, 0], reports, strict=True):
+        labels = [r["size_range"] for r in rep["ranges"]]
+        for n in rep["allowed_counts"]:
+            ys = [r["counts"][str(n)]["median_ms"] for r in rep["ranges"]]
+            ax.plot(labels, [y if y is not None else float("nan") for y in ys], marker="o",
+                    label=f"{n} threads")
+        for i, r in enumerate(rep["ranges"]):
+            if r["learned_threads"]:
+                ax.annotate(f"→{r['learned_threads']}", (i, 0), xycoords=("data", "axes fraction"),
+                            ha="center", va="bottom", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_xlabel("input size range (padded tokens)")
+        ax.set_ylabel("median forward ms")
+        s = rep["scope"]
+        ax.set_title(f"{s['backend']} rev {s['revision']} host {s['fingerprint'][:8]}"
+                     f"{' (retired by drift)' if rep['drift'] else ''}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
