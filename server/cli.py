@@ -146,6 +146,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         sock.bind((args.host, args.port))
     except OSError as exc:
         raise ConfigError(f"cannot bind --host {args.host} --port {args.port}: {exc}") from exc
+    sock.listen(2048)  # connections queue from now on, before the app starts accepting
     host, port = sock.getsockname()[:2]
     server_box: list[uvicorn.Server] = []
 

@@ -1,0 +1,243 @@
+"""R4.3-R4.8 with the real model on this host: torch drifts at 5-11 padded tokens between 1
+and 2 threads (FACTS.md), onnxruntime does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from records.host_record import HostRecord, Scope
+from runtime.artifact import resolve
+from runtime.backend import load_backend
+from runtime.engine import pad
+from runtime.runner import Runner
+from runtime.threads import ThreadContext
+from runtime.types import EngineArgs, ForwardResult
+from tests.conftest import L6
+from tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
+from tuner.golden import golden_rows, reference_outputs
+from tuner.modes import AdaptiveMode
+from tuner.policy import RangeState
+from tuner.report import build, from_tuner
+from tuner.verify import sweep, sweep_batches
+
+FAST = TunerSettings(min_samples=3, window=3, audit_every=2, budget_fraction=1.0, flush_s=0.0)
+M = resolve(L6)
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return {name: load_backend(M, name) for name in ("onnxruntime", "torch")}
+
+
+def start(backend, record, mode, configured, counts, settings=FAST, reference=True):
+    records = []
+    runner = Runner(M, backend, EngineArgs(num_threads=configured, cache_entries=0),
+                    on_forward=records.append)
+    scope = Scope("test-host", M.revision, backend.name.value)
+    tuner = AdaptiveThreads(mode, configured, counts, scope, record,
+                            runner.engine.forward_batch, settings)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(
+        golden_rows(runner.tokenizer), reference_outputs(M.revision) if reference else None))
+    runner.served = records
+    return runner, tuner
+
+
+def wait_for(predicate, timeout_s=60.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def row(tokens: int, salt: int = 0) -> list[int]:
+    rng = np.random.default_rng(tokens * 1000 + salt)
+    return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
+
+
+def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backends, tmp_path):
+    record = HostRecord(tmp_path / "r.sqlite")
+    runner, tuner = start(backends["torch"], record, AdaptiveMode.LEARN, 2, (1, 2))
+    try:
+        assert runner.ready
+        runner.engine.submit([row(7)]).result(timeout=60)
+        assert wait_for(lambda: tuner.retired is not None)
+        event = record.drift(tuner.scope)
+        assert event is not None and event.padded_tokens == 7
+        assert (event.served_threads, event.shadow_threads) == (2, 1)
+        assert event.served_value != event.shadow_value
+        # served answers stay at the configured count
+        runner.engine.submit([row(40)]).result(timeout=60)
+        assert {r.num_threads for r in runner.served} == {2}
+        report = build(from_tuner(tuner))
+        assert report["drift"]["padded_tokens"] == 7
+        assert all(r["state"] == RangeState.RETIRED for r in report["ranges"])
+        assert any("--mkl-cbwr" in n for n in report["notes"])
+    finally:
+        runner.stop()
+    # a later start does not explore again until reset
+    runner, tuner = start(backends["torch"], record, AdaptiveMode.LEARN, 2, (1, 2))
+    try:
+        assert tuner.retired is not None
+        runner.engine.submit([row(40)]).result(timeout=60)
+        assert tuner.idle_work() is None and tuner.comparisons == 0
+    finally:
+        runner.stop()
+    record.reset(tuner.scope)
+    assert record.drift(tuner.scope) is None
+
+
+def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backends, tmp_path):
+    backend = backends["onnxruntime"]
+    record = HostRecord(tmp_path / "r.sqlite")
+    scope = Scope("test-host", M.revision, "onnxruntime")
+    res = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), sweep_batches(M.max_tokens))
+    assert res.mismatches == 0
+    record.add_voucher(scope, "verify", res.comparisons, res.mismatches)
+    rng = np.random.default_rng(7)
+    lengths = np.exp(rng.uniform(np.log(3), np.log(256), 240)).astype(int)
+    rows = [row(int(n), i) for i, n in enumerate(lengths)]
+    context = ThreadContext()  # answers at the configured count, before any learning
+    references = [context.run(1, lambda r=r: backend.forward(pad([r]), 1)).outputs
+                  for r in rows]
+    context.shutdown()
+    runner, tuner = start(backend, record, AdaptiveMode.SERVE, 1, (1, 2))
+    try:
+        for r, reference in zip(rows, references, strict=True):
+            served = runner.engine.submit([r]).result(timeout=60)
+            assert np.array_equal(output_bits(served), output_bits(reference))
+            wait_for(lambda: not tuner._jobs, 5)
+        report = build(from_tuner(tuner))
+    finally:
+        runner.stop()
+    states = {r["state"] for r in report["ranges"]}
+    assert RangeState.SERVING in states, report
+    assert any(r.num_threads == 2 for r in runner.served)
+    assert report["drift"] is None and tuner.comparisons > 100
+    stored = HostRecord(tmp_path / "r.sqlite")
+    assert stored.learned(scope) and stored.timings(scope)
+    assert stored.voucher(scope).comparisons > res.comparisons  # traffic adds to the count
+
+
+def test_mode2_without_voucher_acts_as_mode1_and_says_why(backends, tmp_path):
+    record = HostRecord(tmp_path / "r.sqlite")
+    runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.SERVE, 1, (1, 2))
+    try:
+        for i in range(60):
+            runner.engine.submit([row(100, i)]).result(timeout=60)
+            wait_for(lambda: not tuner._jobs, 5)
+        report = build(from_tuner(tuner))
+    finally:
+        runner.stop()
+    assert {r.num_threads for r in runner.served} == {1}
+    assert any("no voucher" in n for n in report["notes"])
+    learned = [r for r in report["ranges"] if r["learned_threads"] == 2]
+    assert all(r["state"] == RangeState.NO_VOUCHER for r in learned)
+
+
+def test_golden_check_stores_then_guards(backends, tmp_path):
+    record = HostRecord(tmp_path / "r.sqlite")
+    runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
+    runner.stop()
+    assert runner.not_ready_reason is None and record.golden(tuner.scope) is not None
+    runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
+    runner.stop()
+    assert runner.not_ready_reason is None and tuner.locked_reason is None
+    record._conn.execute("UPDATE golden SET digest = 'tampered'")
+    runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
+    try:
+        assert not runner.ready and "golden check failed" in runner.not_ready_reason
+        runner.engine.submit([row(20)]).result(timeout=60)
+        assert tuner.idle_work() is None  # no exploration while locked
+        states = {r["state"] for r in build(from_tuner(tuner))["ranges"]}
+        assert states <= {RangeState.LOCKED}
+    finally:
+        runner.stop()
+
+
+def test_golden_answers_far_from_the_reference_keep_the_worker_out(backends, tmp_path):
+    record = HostRecord(tmp_path / "r.sqlite")
+    runner = Runner(M, backends["onnxruntime"], EngineArgs(num_threads=1))
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", M.revision, "x"), record,
+                            runner.engine.forward_batch, FAST)
+    wrong = reference_outputs(M.revision) + 1e-3
+    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer), wrong))
+    runner.stop()
+    assert "reference outputs" in runner.not_ready_reason
+
+
+def test_shadows_stay_within_their_time_budget(backends, tmp_path):
+    now = [0.0]
+    runner, tuner = start(backends["onnxruntime"], None, AdaptiveMode.LEARN, 1, (1, 2))
+    runner.stop()
+    tuner.clock = lambda: now[0]
+    tuner._started = 0.0
+    tuner.settings = TunerSettings(budget_fraction=0.5)
+    batch = pad([row(30)])
+    tuner.observe(batch, tuner.forward(batch, 1))
+    now[0] = 1.0
+    work = tuner.idle_work()
+    assert work is not None
+    tuner._shadow_s = 0.6  # as if shadows had used 0.6 s of the first second
+    assert tuner.idle_work() is None
+    now[0] = 1.3
+    assert tuner.idle_work() is not None
+
+
+def test_relearning_when_served_time_moves(backends, tmp_path):
+    runner, tuner = start(backends["onnxruntime"], None, AdaptiveMode.LEARN, 1, (1, 2),
+                          TunerSettings(min_samples=2, relearn_window=8))
+    runner.stop()
+    batch = pad([row(30)])
+    lo = 16
+    for n in (1, 2):
+        for _ in range(2):
+            tuner._shadow(lo, type("J", (), {"batch": batch, "served_threads": 1,
+                                             "outputs": tuner.forward(batch, 1).outputs})(), n)
+    assert tuner.ranges[lo].learned is not None
+    for seconds in [0.01] * 4 + [0.05] * 4:  # a neighbour starts loading the host
+        tuner.observe(batch, ForwardResult(np.zeros((1, 384), np.float32), 1, 1, seconds))
+    report = build(from_tuner(tuner))
+    assert [r["state"] for r in report["ranges"]] == [RangeState.RELEARNING]
+
+
+def test_mkl_cbwr_makes_torch_exact_and_learning_proceeds(tmp_path):
+    script = f"""
+import json, numpy as np
+from records.host_record import HostRecord
+from tests.test_adaptive import start, row, wait_for, FAST
+from runtime.backend import load_backend
+from tuner.modes import AdaptiveMode
+from tuner.report import build, from_tuner
+from tests.conftest import L6
+from runtime.artifact import resolve
+record = HostRecord({str(tmp_path / "r.sqlite")!r})
+runner, tuner = start(load_backend(resolve(L6), "torch"), record, AdaptiveMode.LEARN, 2, (1, 2))
+for tokens in range(5, 12):
+    for i in range(3):
+        runner.engine.submit([row(tokens, i)]).result(timeout=60)
+        wait_for(lambda: not tuner._jobs, 10)
+runner.stop()
+rep = build(from_tuner(tuner))
+from runtime.engine import pad
+same = [np.array_equal(tuner.forward(pad([row(t, 9)]), 1).outputs,
+                       tuner.forward(pad([row(t, 9)]), 2).outputs) for t in range(5, 12)]
+print(json.dumps({{"drift": rep["drift"], "comparisons": tuner.comparisons, "same": same,
+                  "learned": [r["learned_threads"] for r in rep["ranges"]]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "MKL_CBWR": "AUTO"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["drift"] is None and result["comparisons"] >= 12
+    assert result["same"] == [True] * 7
+    assert all(n is not None for n in result["learned"])

@@ -1,0 +1,96 @@
+"""R4.1, R4.8, R4.10 end to end: the env var, `threads verify|report|reset`, GET /v1/threads,
+a golden failure seen from /health, and a record that cannot be written."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+import pytest
+
+from tests.conftest import L3, Server, words
+from tests.test_cli import run_cli
+
+
+def test_junk_adaptive_mode_is_a_startup_error():
+    r = run_cli("serve", "--port", "0", env={"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "fast"})
+    assert r.returncode == 2 and "VLLM_SRUN_CPU_ADAPTIVE_THREADS" in r.stderr
+
+
+def test_verify_report_reset(tmp_path):
+    record = str(tmp_path / "r.sqlite")
+    r = run_cli("threads", "verify", L3, "--threads", "1", "--max-threads", "2",
+                "--record", record)
+    assert r.returncode == 0, r.stderr
+    assert "bit-identical across counts [1, 2]" in r.stdout and "verify: " in r.stderr
+    r = run_cli("threads", "report", "--record", record, "--json")
+    (rep,) = json.loads(r.stdout)
+    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] > 20
+    png = tmp_path / "plot.png"
+    r = run_cli("threads", "report", "--record", record, "--plot", str(png))
+    assert r.returncode == 0 and "voucher: yes" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = run_cli("threads", "reset", L3, "--record", record)
+    assert r.returncode == 0 and "reset learning" in r.stdout
+
+
+def test_threads_endpoint_in_mode_1(tmp_path):
+    server = Server(L3, "--threads", "1", "--max-threads", "2", "--record",
+                    str(tmp_path / "r.sqlite"), env={"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"})
+    try:
+        server.wait_ready()
+        for i in range(30):
+            server.client.post("/v1/embeddings", json={"input": words(40) + f" {i}"})
+        rep = server.client.get("/v1/threads").json()
+    finally:
+        server.close()
+    assert rep["mode"] == 1 and rep["allowed_counts"] == [1, 2]
+    (rng,) = [r for r in rep["ranges"] if r["size_range"] == "32-63"]
+    assert rng["served_threads"] == 1 and rng["counts"]["2"]["samples"] > 0
+    assert rng["state"] in ("exploring", "learned")
+
+
+def test_threads_endpoint_when_off(l6_server):
+    rep = l6_server.client.get("/v1/threads").json()
+    assert rep["mode"] == 0 and rep["ranges"] == [] and "off" in rep["notes"][0]
+
+
+def test_golden_failure_keeps_the_worker_out_with_its_reason(tmp_path):
+    record = tmp_path / "r.sqlite"
+    env = {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"}
+    first = Server(L3, "--threads", "1", "--record", str(record), env=env).wait_ready()
+    first.close()
+    conn = sqlite3.connect(record)
+    conn.execute("UPDATE golden SET digest = 'from-another-day'")
+    conn.commit()
+    conn.close()
+    server = Server(L3, "--threads", "1", "--record", str(record), env=env)
+    try:
+        for _ in range(600):
+            health = server.client.get("/health")
+            if "golden" in health.text:
+                break
+            time.sleep(0.1)
+        assert health.status_code == 503 and "golden check failed" in health.text
+        r = server.client.post("/v1/embeddings", json={"input": "x"})
+        assert r.status_code == 503 and "golden" in r.json()["error"]["message"]
+        assert "golden check failed" in server.client.get("/v1/threads").json()["locked_reason"]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_unwritable_record_still_serves_and_says_so(tmp_path, mode):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    server = Server(L3, "--threads", "1", "--record", str(blocker / "r.sqlite"),
+                    env={"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode})
+    try:
+        server.wait_ready()
+        r = server.client.post("/v1/embeddings", json={"input": "still served"})
+        rep = server.client.get("/v1/threads").json()
+    finally:
+        server.close()
+    assert r.status_code == 200
+    assert any("host record not written" in n for n in rep["notes"])

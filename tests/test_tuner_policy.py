@@ -1,0 +1,58 @@
+"""R4.1/R4.2 and the pure decisions of the tuner."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.errors import ConfigError
+from tuner.modes import ADAPTIVE_ENV, AdaptiveMode, allowed_counts, max_threads, parse_mode
+from tuner.policy import counts_needing_samples, learned_count, moved
+
+
+@pytest.mark.parametrize(("raw", "mode"), [(None, AdaptiveMode.OFF), ("", AdaptiveMode.OFF),
+                                           ("0", AdaptiveMode.OFF), ("1", AdaptiveMode.LEARN),
+                                           ("2", AdaptiveMode.SERVE)])
+def test_modes(raw, mode):
+    assert parse_mode({} if raw is None else {ADAPTIVE_ENV: raw}) is mode
+
+
+@pytest.mark.parametrize("raw", ["3", "yes", "-1", "1.0", "on"])
+def test_other_values_are_an_error_naming_the_variable(raw):
+    with pytest.raises(ConfigError, match=ADAPTIVE_ENV):
+        parse_mode({ADAPTIVE_ENV: raw})
+
+
+@pytest.mark.parametrize(("configured", "top", "counts"), [
+    (1, None, (1,)), (2, None, (1, 2)), (6, None, (1, 2, 4, 6)), (16, None, (1, 2, 4, 8, 16)),
+    (1, 2, (1, 2)), (6, 16, (1, 2, 4, 6, 8, 16)), (4, 2, (1, 2, 4))])
+def test_allowed_counts(configured, top, counts):
+    assert allowed_counts(configured, top) == counts
+
+
+def test_max_threads_is_capped_by_the_budget():
+    assert max_threads(2, 8) == 2
+    assert max_threads(8, env={"VLLM_SRUN_CPU_MAX_THREADS": "4"}) == 4
+    assert max_threads(8, env={}) is None
+    with pytest.raises(ConfigError, match="VLLM_SRUN_CPU_MAX_THREADS"):
+        max_threads(8, env={"VLLM_SRUN_CPU_MAX_THREADS": "0"})
+
+
+def test_no_count_is_learned_before_every_count_has_its_samples():
+    samples = {1: [5.0] * 12, 2: [3.0] * 11}
+    assert learned_count(samples, (1, 2), 1, 12, 0.05) is None
+    assert counts_needing_samples(samples, (1, 2), 12) == [2]
+
+
+def test_the_fastest_count_is_learned():
+    assert learned_count({1: [5.0] * 12, 2: [3.0] * 12}, (1, 2), 1, 12, 0.05) == 2
+    assert learned_count({1: [3.0] * 12, 2: [5.0] * 12}, (1, 2), 2, 12, 0.05) == 1
+
+
+def test_a_count_within_the_margin_does_not_displace_the_configured_one():
+    assert learned_count({1: [5.0] * 12, 2: [4.9] * 12}, (1, 2), 1, 12, 0.05) == 1
+
+
+def test_relearning_triggers_when_served_time_moves_either_way():
+    assert moved([3.0, 3.1, 2.9], 1.0, 1.5)
+    assert moved([0.5, 0.6], 1.0, 1.5)
+    assert not moved([1.2, 1.3, 1.1], 1.0, 1.5)
