@@ -121,10 +121,23 @@ class HostRecord:
         return conn
 
     def _open(self) -> sqlite3.Connection:
+        for attempt in range(50):  # another worker may hold the lock while setting up
+            try:
+                return self._open_once()
+            except sqlite3.OperationalError as exc:
+                if not _busy(exc) or attempt == 49:
+                    raise HostRecordError(f"cannot open host record {self.path}: {exc}") from exc
+                time.sleep(0.1)
+        raise AssertionError("unreachable")
+
+    def _open_once(self) -> sqlite3.Connection:
         conn = self._connect()
         try:
             problem = self._check(conn)
         except sqlite3.DatabaseError as exc:
+            if _busy(exc):  # a lock held by another worker is no damage: retry, never move
+                conn.close()
+                raise
             problem = f"not a readable SQLite file ({exc})"
         if problem is None:
             try:
@@ -132,6 +145,8 @@ class HostRecord:
                 return conn
             except sqlite3.OperationalError as exc:
                 conn.close()
+                if _busy(exc):
+                    raise
                 raise HostRecordError(f"cannot write host record {self.path}: {exc}") from exc
             except sqlite3.DatabaseError as exc:
                 problem = f"damaged ({exc})"
@@ -348,6 +363,11 @@ class HostRecord:
                           "SELECT fingerprint, revision, backend FROM timings UNION "
                           "SELECT fingerprint, revision, backend FROM vouchers", [])
         return [Scope(r["fingerprint"], r["revision"], r["backend"]) for r in rows]
+
+
+def _busy(exc: sqlite3.Error) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and (
+        "locked" in str(exc) or "busy" in str(exc))
 
 
 def _scope(scope: Scope) -> dict:

@@ -6,14 +6,14 @@ Each committed write is then appended to LOG_PATH, so the test knows what must s
 
 from __future__ import annotations
 
-import os
 import sys
+import uuid
 
 from records.host_record import HostRecord, Scope
 
 if __name__ == "__main__":
     record = HostRecord(sys.argv[1])
-    scope = Scope("host", f"rev-{os.getpid()}", "onnxruntime")
+    scope = Scope("host", f"rev-{uuid.uuid4().hex}", "onnxruntime")
     with open(sys.argv[2], "a") as log:
         for i in range(1_000_000):
             record.add_samples(scope, 8, 1 + i % 2, [float(i)])

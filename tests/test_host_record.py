@@ -168,7 +168,7 @@ def test_writers_killed_mid_write_lose_nothing_committed(path, tmp_path, kills):
             time.sleep(0.01)
         for p in procs:
             p.send_signal(signal.SIGKILL)
-            p.wait()
+            assert p.wait() == -signal.SIGKILL, "a writer failed before it was killed"
         assert len(log.read_text().splitlines()) > start, f"round {round_} wrote nothing"
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -177,4 +177,4 @@ def test_writers_killed_mid_write_lose_nothing_committed(path, tmp_path, kills):
         scope = Scope("host", rev, "onnxruntime")
         assert r.learned(scope)[16]["verified_passes"] >= last
         samples = r.timings(scope)[8]
-        assert len(samples[1]) + len(samples[2]) >= min(last + 1, 256)
+        assert sum(len(s) for s in samples.values()) >= min(last + 1, 256)
