@@ -8,6 +8,7 @@ Writes ``report.md`` and ``results.json`` into the output folder.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from bench.corpus import texts as make_texts
@@ -30,6 +32,7 @@ from runtime.export import ensure_onnx
 from runtime.threads import ThreadContext
 
 MODEL = "all-MiniLM-L6-v2"
+LEARN_S = 25.0  # seconds of one-client traffic an adaptive server learns from first
 SHORT = "hello world, how are you"
 
 
@@ -104,17 +107,21 @@ class Proc:
         self.log.close()
 
 
-def servers(infinity: str | None) -> dict[str, callable]:
+def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[str, callable]:
     py = sys.executable
     onnx = str(ensure_onnx(resolve(MODEL)))
     tok = resolve(MODEL).tokenizer_path
 
-    def ours(*flags: str):
+    def ours(*flags: str, mode: str = "0"):
         def start():
             port = free_port()
-            return Proc([py, "-m", "server.cli", "serve", MODEL, "--port", str(port),
+            env = {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode, "VLLM_SRUN_RECORD": record}
+            proc = Proc([py, "-m", "server.cli", "serve", MODEL, "--port", str(port),
                          "--cache-entries", "0", "--log-level", "warning", *flags],
-                        f"http://127.0.0.1:{port}")
+                        f"http://127.0.0.1:{port}", env=env)
+            if mode != "0":  # let it learn from traffic first (shadows run in idle gaps)
+                run_load(proc.url, make_texts(3000, seed=7), 1, LEARN_S, MODEL)
+            return proc
         return start
 
     def fastapi_ort():
@@ -129,21 +136,68 @@ def servers(infinity: str | None) -> dict[str, callable]:
                     f"http://127.0.0.1:{port}", env={"HF_HUB_OFFLINE": "1"},
                     health="/health")
 
+    adaptive = ("--threads", "1", "--max-threads", "2")
     table = {
         "vllm-srun (default threads)": ours(),
         "vllm-srun (2 threads)": ours("--threads", "2"),
         "vllm-srun (2 threads, no batching)": ours("--threads", "2", "--max-num-seqs", "1"),
+        "vllm-srun adaptive mode 1 (1 thread, max 2)": ours(*adaptive, mode="1"),
+        "vllm-srun adaptive mode 2 (1 thread, max 2)": ours(*adaptive, mode="2"),
         "fastapi+onnxruntime peer (2 threads)": fastapi_ort,
     }
     if infinity:
         table["infinity-emb 0.0.78 (torch)"] = infinity_emb
+    if neighbour:
+        table = {f"{k} + busy neighbour": v for k, v in table.items()
+                 if k.startswith("vllm-srun") and "batching" not in k}
     return table
 
 
-def http_table(levels: list[int], duration_s: float, infinity: str | None) -> dict:
+def round_trips(url: str, n: int) -> dict[str, float]:
+    """p50 of SHORT and of /health with a minimal blocking keep-alive client, so the
+    client's own cost stays small."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"input": SHORT, "model": MODEL}).encode()
+
+    def p50(method: str, path: str, payload: bytes | None) -> float:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            conn.request(method, path, body=payload,
+                         headers={"content-type": "application/json"})
+            conn.getresponse().read()
+            times.append((time.perf_counter() - start) * 1000)
+        return float(np.median(times[n // 10:]))
+
+    try:
+        return {"short_p50_ms": p50("POST", "/v1/embeddings", body),
+                "health_p50_ms": p50("GET", "/health", None)}
+    finally:
+        conn.close()
+
+
+def neighbour_proc() -> subprocess.Popen:
+    """A process that keeps one core busy."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def http_table(levels: list[int], duration_s: float, infinity: str | None, record: str,
+               neighbour: bool = False) -> dict:
     corpus = make_texts(20_000, seed=1)
     results: dict[str, dict] = {}
-    for name, start in servers(infinity).items():
+    busy = neighbour_proc() if neighbour else None
+    try:
+        _drive(levels, duration_s, infinity, record, neighbour, corpus, results)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    return results
+
+
+def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> None:
+    for name, start in servers(infinity, record, neighbour).items():
         try:
             proc = start()
         except Exception as exc:  # a peer that cannot start is reported, not hidden
@@ -158,19 +212,39 @@ def http_table(levels: list[int], duration_s: float, infinity: str | None) -> di
                 per_level[clients] = {"rps": r.throughput_rps, "p50_ms": r.pct(50),
                                       "p99_ms": r.pct(99), "requests": r.requests,
                                       "errors": r.errors}
-            short = run_load(proc.url, [SHORT], 1, duration_s, MODEL)
-            per_level["short_p50_ms"] = short.pct(50)
+            per_level.update(round_trips(proc.url, 300 if duration_s < 5 else 1000))
+            if "adaptive" in name:
+                threads = httpx.get(proc.url + "/v1/threads", timeout=10).json()
+                per_level["threads"] = {r["size_range"]: (r["learned_threads"], r["state"])
+                                        for r in threads["ranges"]}
             results[name] = per_level
         finally:
             proc.stop()
-    return results
 
 
 def _fmt(x: float) -> str:
     return f"{x:.2f}" if x < 100 else f"{x:.0f}"
 
 
-def report(fwd: list[dict], http: dict, levels: list[int], counts: list[int],
+def _row(name: str, res: dict, levels: list[int]) -> str:
+    if "error" in res:
+        return f"| {name} | could not run: {res['error'][:120]} |"
+    cells = [f"{res[c]['rps']:.0f}, {_fmt(res[c]['p50_ms'])}, {_fmt(res[c]['p99_ms'])}"
+             + (f" ({res[c]['errors']} errors)" if res[c]["errors"] else "") for c in levels]
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def _learned_lines(http: dict) -> list[str]:
+    out = []
+    for name, res in http.items():
+        if "threads" in res:
+            learned = ", ".join(f"{rng}: {n or '-'} ({state})"
+                                for rng, (n, state) in res["threads"].items())
+            out.append(f"- {name}, learned per range (padded tokens): {learned}")
+    return ["", "Learned counts after the learning phase:", "", *out] if out else []
+
+
+def report(fwd: list[dict], http: dict, busy: dict, levels: list[int], counts: list[int],
            overhead: dict, args: argparse.Namespace) -> str:
     lines = ["# vllm-srun benchmark report", "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
@@ -195,28 +269,30 @@ def report(fwd: list[dict], http: dict, levels: list[int], counts: list[int],
               "characters, tail to 3000), all unique; same load generator for every server.", "",
               "| server | " + " | ".join(f"{c} clients: req/s, p50, p99" for c in levels) + " |",
               "|---|" + "---|" * len(levels)]
-    for name, res in http.items():
-        if "error" in res:
-            lines.append(f"| {name} | could not run: {res['error'][:120]} |")
-            continue
-        cells = [f"{res[c]['rps']:.0f}, {_fmt(res[c]['p50_ms'])}, {_fmt(res[c]['p99_ms'])}"
-                 + (f" ({res[c]['errors']} errors)" if res[c]["errors"] else "")
-                 for c in levels]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    top = levels[-1]
+    lines += [_row(name, res, levels) for name, res in http.items()]
     ours = http.get("vllm-srun (default threads)", {})
-    lines += ["", f"## Ratios at {top} clients (throughput) and 1 client (p50)", ""]
-    for name, res in http.items():
-        if "error" in res or name == "vllm-srun (default threads)" or "error" in ours:
-            continue
-        lines.append(f"- vllm-srun (default) / {name}: throughput "
-                     f"{ours[top]['rps'] / res[top]['rps']:.2f}x, p50 at 1 client "
-                     f"{ours[levels[0]]['p50_ms'] / res[levels[0]]['p50_ms']:.2f}x")
+    for top in sorted({16, levels[-1]} & set(levels)):
+        lines += ["", f"## Ratios: throughput at {top} clients, p50 at 1 client", ""]
+        for name, res in http.items():
+            if "error" in res or name == "vllm-srun (default threads)" or "error" in ours:
+                continue
+            lines.append(f"- vllm-srun (default) / {name}: throughput "
+                         f"{ours[top]['rps'] / res[top]['rps']:.2f}x, p50 at 1 client "
+                         f"{ours[levels[0]]['p50_ms'] / res[levels[0]]['p50_ms']:.2f}x")
+    lines += _learned_lines(http)
+    if busy:
+        lines += ["", "## The same with a neighbour process keeping one core busy", "",
+                  "| server | " + " | ".join(f"{c} clients: req/s, p50, p99" for c in levels)
+                  + " |", "|---|" + "---|" * len(levels)]
+        lines += [_row(name, res, levels) for name, res in busy.items()]
+        lines += _learned_lines(busy)
     lines += ["", "## Front-end overhead (short input, 1 client)", "",
               f"- end-to-end p50 {overhead['e2e_p50_ms']:.2f} ms, forward p50 "
               f"{overhead['forward_p50_ms']:.2f} ms (same text, same count, in-process), "
-              f"difference {overhead['overhead_ms']:.2f} ms. The difference includes the "
-              "Python load generator's own time per request."]
+              f"difference {overhead['overhead_ms']:.2f} ms; the HTTP round trip of "
+              f"`GET /health` on the same connection is {overhead['health_p50_ms']:.2f} ms "
+              "(client, loopback and server together). Client: one blocking keep-alive "
+              "connection (http.client)."]
     return "\n".join(lines) + "\n"
 
 
@@ -227,21 +303,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--infinity", default=os.environ.get("VLLM_SRUN_BENCH_INFINITY"),
                         help="path of an infinity_emb executable in its own venv")
     args = parser.parse_args(argv)
+    global LEARN_S
+    LEARN_S = 6.0 if args.quick else LEARN_S
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     counts = sorted({1, 2, cpu_budget()})
     sizes = [3, 16, 64, 256] if args.quick else [3, 8, 16, 32, 64, 128, 256]
     fwd = forward_table(sizes, counts, 5 if args.quick else 30)
     levels = [1, 16] if args.quick else [1, 4, 16, 64]
-    http = http_table(levels, 2.0 if args.quick else 8.0, args.infinity)
+    record = str(out / "bench-record.sqlite")
+    for suffix in ("", "-wal", "-shm"):
+        Path(record + suffix).unlink(missing_ok=True)
+    subprocess.run([sys.executable, "-m", "server.cli", "threads", "verify", MODEL,
+                    "--threads", "1", "--max-threads", "2", "--record", record],
+                   check=True, capture_output=True)  # the voucher mode 2 needs
+    duration = 2.0 if args.quick else 8.0
+    http = http_table(levels, duration, args.infinity, record)
+    busy = {} if args.quick else http_table(levels, duration, None, record, neighbour=True)
     default = http.get("vllm-srun (default threads)", {})
     short_fwd = short_forward_ms(50 if args.quick else 300)
     overhead = {"e2e_p50_ms": default.get("short_p50_ms", float("nan")),
+                "health_p50_ms": default.get("health_p50_ms", float("nan")),
                 "forward_p50_ms": short_fwd}
     overhead["overhead_ms"] = overhead["e2e_p50_ms"] - overhead["forward_p50_ms"]
     (out / "results.json").write_text(json.dumps(
-        {"forward": fwd, "http": http, "overhead": overhead}, indent=1, default=float))
-    text = report(fwd, http, levels, counts, overhead, args)
+        {"forward": fwd, "http": http, "busy_neighbour": busy, "overhead": overhead},
+        indent=1, default=float))
+    text = report(fwd, http, busy, levels, counts, overhead, args)
     (out / "report.md").write_text(text)
     print(text)
     return 0

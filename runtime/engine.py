@@ -148,6 +148,7 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
+        self.context.adopt(self.args.num_threads)
         while True:
             idle = None
             with self._cond:

@@ -9,8 +9,9 @@ before every forward; counts never change on a lane, so no forward inherits anot
 however many engines share the process. onnxruntime fixes threads per session: its backend
 keeps one session per count and the lane only carries the call.
 
-Invariant: a callable submitted with ``run(n, fn)`` executes on lane n, where
-``torch.get_num_threads() == n`` whenever torch is loaded.
+Invariant: a callable submitted with ``run(n, fn)`` executes on a lane of count n (the
+shared one, or the caller's own thread when it adopted n), where ``torch.get_num_threads()
+== n`` whenever torch is loaded.
 """
 
 from __future__ import annotations
@@ -73,10 +74,19 @@ class ThreadContext:
         return fn()
 
     def run(self, num_threads: int, fn: Callable[[], T]) -> T:
-        """Run ``fn`` at ``num_threads`` intra-op threads and return its result."""
+        """Run ``fn`` at ``num_threads`` intra-op threads and return its result: inline when
+        the caller is itself a lane of that count, else on the shared lane."""
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if lane_threads() == num_threads:
+            return self._call(num_threads, fn)
         return self._lane(num_threads).submit(self._call, num_threads, fn).result()
+
+    @staticmethod
+    def adopt(num_threads: int) -> None:
+        """Make the calling thread a private lane of ``num_threads`` (an engine's own thread
+        serves its configured count inline, saving two thread hops per forward)."""
+        ThreadContext._init_lane(num_threads)
 
     def counts(self) -> list[int]:
         with self._lock:
