@@ -215,8 +215,7 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> 
             per_level.update(round_trips(proc.url, 300 if duration_s < 5 else 1000))
             if "adaptive" in name:
                 threads = httpx.get(proc.url + "/v1/threads", timeout=10).json()
-                per_level["threads"] = {r["size_range"]: (r["learned_threads"], r["state"])
-                                        for r in threads["ranges"]}
+                per_level["threads"] = threads["ranges"]
             results[name] = per_level
         finally:
             proc.stop()
@@ -235,13 +234,23 @@ def _row(name: str, res: dict, levels: list[int]) -> str:
 
 
 def _learned_lines(http: dict) -> list[str]:
+    """Per size range, as the adaptive servers measured it with shadow passes (same batches
+    at every count, idle worker): median ms per count, learned count, speed-up, state."""
     out = []
     for name, res in http.items():
-        if "threads" in res:
-            learned = ", ".join(f"{rng}: {n or '-'} ({state})"
-                                for rng, (n, state) in res["threads"].items())
-            out.append(f"- {name}, learned per range (padded tokens): {learned}")
-    return ["", "Learned counts after the learning phase:", "", *out] if out else []
+        if "threads" not in res:
+            continue
+        out += ["", f"{name}: per range after the learning phase (shadow-pass medians)", "",
+                "| padded tokens | 1 thr ms (n) | 2 thr ms (n) | learned | speed-up vs "
+                "configured | state |", "|---|---|---|---|---|---|"]
+        for r in res["threads"]:
+            cells = [f"{c['median_ms']:.2f} ({c['samples']})" if c["samples"] else "-"
+                     for c in (r["counts"].get("1", {"samples": 0}),
+                               r["counts"].get("2", {"samples": 0}))]
+            up = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+            out.append(f"| {r['size_range']} | {cells[0]} | {cells[1]} | "
+                       f"{r['learned_threads'] or '-'} | {up} | {r['state']} |")
+    return out
 
 
 def report(fwd: list[dict], http: dict, busy: dict, levels: list[int], counts: list[int],

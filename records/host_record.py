@@ -291,11 +291,13 @@ class HostRecord:
                 row["samples_ms"])
         return out
 
-    def clear_timings(self, scope: Scope, size_lo: int) -> None:
-        """Forget one range's samples (relearning)."""
+    def forget_range(self, scope: Scope, size_lo: int) -> None:
+        """Forget one range's samples and learned count (relearning)."""
         where, params = scope.where()
         with self._write() as db:
-            db.execute(f"DELETE FROM timings WHERE {where} AND size_lo = ?", [*params, size_lo])
+            for table in ("timings", "learned"):
+                db.execute(f"DELETE FROM {table} WHERE {where} AND size_lo = ?",
+                           [*params, size_lo])
 
     def put_learned(self, scope: Scope, size_lo: int, num_threads: int, speedup: float,
                     verified_passes: int) -> None:

@@ -96,6 +96,14 @@ def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backe
     assert record.drift(tuner.scope) is None
 
 
+def _seed_two_threads_faster(record: HostRecord, scope: Scope) -> None:
+    """Timings in which 2 threads win every range by far, so which count is learned does
+    not hang on this shared machine's noise; live shadows still add their own samples."""
+    for lo in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        record.add_samples(scope, lo, 1, [1000.0] * 60)
+        record.add_samples(scope, lo, 2, [1.0] * 60)
+
+
 def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backends, tmp_path):
     backend = backends["onnxruntime"]
     record = HostRecord(tmp_path / "r.sqlite")
@@ -103,10 +111,11 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
     res = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), sweep_batches(M.max_tokens))
     assert res.mismatches == 0
     record.add_voucher(scope, "verify", res.comparisons, res.mismatches)
+    _seed_two_threads_faster(record, scope)
     rng = np.random.default_rng(7)
-    lengths = np.exp(rng.uniform(np.log(3), np.log(256), 240)).astype(int)
+    lengths = np.exp(rng.uniform(np.log(3), np.log(256), 300)).astype(int)
     rows = [row(int(n), i) for i, n in enumerate(lengths)]
-    context = ThreadContext()  # answers at the configured count, before any learning
+    context = ThreadContext()  # answers at the configured count
     references = [context.run(1, lambda r=r: backend.forward(pad([r]), 1)).outputs
                   for r in rows]
     context.shutdown()
@@ -115,17 +124,32 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
         for r, reference in zip(rows, references, strict=True):
             served = runner.engine.submit([r]).result(timeout=60)
             assert np.array_equal(output_bits(served), output_bits(reference))
-            wait_for(lambda: not tuner._jobs, 5)
+            wait_for(lambda: not tuner._jobs, 30)
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
     states = {r["state"] for r in report["ranges"]}
     assert RangeState.SERVING in states, report
-    assert any(r.num_threads == 2 for r in runner.served)
-    assert report["drift"] is None and tuner.comparisons > 100
+    assert sum(r.num_threads == 2 for r in runner.served) > 100
+    assert report["drift"] is None and tuner.comparisons > 100  # transition + audits
     stored = HostRecord(tmp_path / "r.sqlite")
-    assert stored.learned(scope) and stored.timings(scope)
+    assert stored.learned(scope)
     assert stored.voucher(scope).comparisons > res.comparisons  # traffic adds to the count
+
+
+def test_mode1_learns_from_real_timings(backends, tmp_path):
+    record = HostRecord(tmp_path / "r.sqlite")
+    runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
+    try:
+        for i in range(12):
+            runner.engine.submit([row(100, i)]).result(timeout=60)
+            wait_for(lambda: not tuner._jobs, 30)
+    finally:
+        runner.stop()
+    assert {r.num_threads for r in runner.served} == {1}
+    learned = record.learned(tuner.scope)[64]
+    assert learned["num_threads"] in (1, 2)
+    assert {n: len(s) for n, s in record.timings(tuner.scope)[64].items()} == {1: 3, 2: 3}
 
 
 def test_mode2_without_voucher_acts_as_mode1_and_says_why(backends, tmp_path):
@@ -241,3 +265,21 @@ print(json.dumps({{"drift": rep["drift"], "comparisons": tuner.comparisons, "sam
     assert result["drift"] is None and result["comparisons"] >= 12
     assert result["same"] == [True] * 7
     assert all(n is not None for n in result["learned"])
+
+
+def test_a_restarted_worker_verifies_its_window_again_before_serving(backends, tmp_path):
+    record = HostRecord(tmp_path / "r.sqlite")
+    scope = Scope("test-host", M.revision, "onnxruntime")
+    record.add_voucher(scope, "verify", 40, 0)
+    _seed_two_threads_faster(record, scope)
+    record.put_learned(scope, 64, 2, 2.0, 99)  # learned and verified by an earlier process
+    runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.SERVE, 1, (1, 2))
+    try:
+        served = []
+        for i in range(6):
+            runner.engine.submit([row(80, i)]).result(timeout=60)
+            served.append(runner.served[-1].num_threads)
+            wait_for(lambda: not tuner._jobs, 30)
+    finally:
+        runner.stop()
+    assert served[:3] == [1, 1, 1] and served[3:] == [2, 2, 2]  # a window of 3 shadows first

@@ -47,7 +47,7 @@ class TunerSettings:
     margin: float = 0.05  # a non-configured count must be this much faster
     audit_every: int = 8  # mode 2: shadow every Nth forward served at a learned count
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
-    relearn_factor: float = 1.5  # served time per token moved this much: explore again
+    relearn_factor: float = 2.0  # served time per token moved this much: explore again
     relearn_window: int = 32  # served forwards compared for relearning
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 256
@@ -125,11 +125,10 @@ class AdaptiveThreads:
         for lo, by_count in timings.items():
             self.ranges[lo] = RangeLearning(samples={n: list(s) for n, s in by_count.items()})
         learned = self._guard("read_learned", lambda: record.learned(self.scope)) or {}
-        for lo, row in learned.items():
-            r = self.ranges.setdefault(lo, RangeLearning())
-            r.learned, r.streak = row["num_threads"], row["verified_passes"]
-        for r in self.ranges.values():
-            self._maybe_serve(r)
+        for lo, row in learned.items():  # a new process verifies its window again
+            self.ranges.setdefault(lo, RangeLearning()).learned = row["num_threads"]
+        for lo, r in self.ranges.items():  # samples may hold a decision never written
+            self._update(lo, r)
 
     def flush(self) -> None:
         """Write pending samples, learned counts and traffic comparisons to the record."""
@@ -320,6 +319,6 @@ class AdaptiveThreads:
             log.info("threads_relearn range=%d-%d reason=served_time_moved", lo, 2 * lo - 1)
             self.ranges[lo] = RangeLearning(relearning=True)
             self._dirty_samples = {k: v for k, v in self._dirty_samples.items() if k[0] != lo}
-            self._guard("clear_timings", lambda: self.record.clear_timings(self.scope, lo))
+            self._guard("forget_range", lambda: self.record.forget_range(self.scope, lo))
         else:
             r.recent_per_token.clear()

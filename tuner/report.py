@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from records.host_record import DriftEvent, Scope, Voucher
 from tuner.adaptive import AdaptiveThreads, RangeLearning
@@ -30,7 +30,10 @@ class ReportInput:
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
-    return ReportInput(t.mode, t.configured, t.counts, t.scope, t.ranges, t.voucher, t.retired,
+    """A copy of the tuner's state (the engine thread keeps changing the original)."""
+    ranges = {lo: replace(r, samples={n: list(v) for n, v in list(r.samples.items())})
+              for lo, r in list(t.ranges.items())}
+    return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
                        t.locked_reason, record_path, t.record_error)
 
 
