@@ -27,7 +27,7 @@ class LoadResult:
 
 
 async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
-               model: str | None) -> LoadResult:
+               model: str | None, think_s: float = 0.0) -> LoadResult:
     latencies: list[float] = []
     errors = 0
     next_i = 0
@@ -50,6 +50,8 @@ async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
                     ok = False
                 latencies.append((time.perf_counter() - start) * 1000)
                 errors += 0 if ok else 1
+                if think_s:
+                    await asyncio.sleep(think_s)
 
         start = time.perf_counter()
         await asyncio.gather(*(one_client() for _ in range(clients)))
@@ -58,10 +60,11 @@ async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
 
 
 def run_load(url: str, texts: list[str], clients: int, duration_s: float,
-             model: str | None = None) -> LoadResult:
-    """``clients`` concurrent clients, each sending one text per request, for ``duration_s``."""
+             model: str | None = None, think_s: float = 0.0) -> LoadResult:
+    """``clients`` concurrent clients, each sending one text per request (and pausing
+    ``think_s`` after each answer), for ``duration_s``."""
     payloads = [{"input": t} for t in texts]
-    return asyncio.run(_run(url, payloads, clients, duration_s, model))
+    return asyncio.run(_run(url, payloads, clients, duration_s, model, think_s))
 
 
 def wait_healthy(url: str, timeout_s: float = 300, path: str = "/health") -> None:

@@ -119,8 +119,8 @@ def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[
             proc = Proc([py, "-m", "server.cli", "serve", MODEL, "--port", str(port),
                          "--cache-entries", "0", "--log-level", "warning", *flags],
                         f"http://127.0.0.1:{port}", env=env)
-            if mode != "0":  # let it learn from traffic first (shadows run in idle gaps)
-                run_load(proc.url, make_texts(3000, seed=7), 1, LEARN_S, MODEL)
+            if mode != "0":  # learn from paced traffic first (shadows run in its pauses)
+                run_load(proc.url, make_texts(3000, seed=7), 2, LEARN_S, MODEL, think_s=0.02)
             return proc
         return start
 

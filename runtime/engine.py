@@ -41,7 +41,9 @@ class ThreadsPolicy(Protocol):
 
     def observe(self, batch: TokenBatch, result: ForwardResult) -> None: ...
 
-    def idle_work(self) -> Callable[[], None] | None: ...
+    def idle_work(self) -> Callable[[], None] | float | None:
+        """Work for an idle engine; or seconds until it may have some; or None."""
+        ...
 
     def close(self) -> None: ...
 
@@ -155,8 +157,8 @@ class Engine:
                 self._expire(time.monotonic())
                 if not self._pending and self._running:
                     idle = self.threads.idle_work()
-                    if idle is None:
-                        self._cond.wait(timeout=0.5)
+                    if idle is None or isinstance(idle, float):
+                        self._cond.wait(timeout=0.5 if idle is None else idle)
                         continue
                 if not self._running:
                     return

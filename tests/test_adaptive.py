@@ -283,3 +283,18 @@ def test_a_restarted_worker_verifies_its_window_again_before_serving(backends, t
     finally:
         runner.stop()
     assert served[:3] == [1, 1, 1] and served[3:] == [2, 2, 2]  # a window of 3 shadows first
+
+
+def test_no_shadow_starts_before_traffic_pauses(backends):
+    now = [0.0]
+    runner, tuner = start(backends["onnxruntime"], None, AdaptiveMode.LEARN, 1, (1, 2),
+                          TunerSettings(idle_gap_s=0.005, budget_fraction=1.0))
+    runner.stop()
+    tuner.clock = lambda: now[0]
+    tuner._started = -10.0
+    batch = pad([row(30)])
+    tuner.observe(batch, tuner.forward(batch, 1))  # served at t = 0
+    now[0] = 0.002
+    assert tuner.idle_work() == pytest.approx(0.003)  # the engine waits, then asks again
+    now[0] = 0.006
+    assert callable(tuner.idle_work())

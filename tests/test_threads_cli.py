@@ -42,6 +42,7 @@ def test_threads_endpoint_in_mode_1(tmp_path):
         server.wait_ready()
         for i in range(30):
             server.client.post("/v1/embeddings", json={"input": words(40) + f" {i}"})
+            time.sleep(0.03)  # traffic with pauses: shadows run in them
         rep = server.client.get("/v1/threads").json()
     finally:
         server.close()

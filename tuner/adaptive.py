@@ -7,7 +7,8 @@ counts still to run on it: every allowed count while the range lacks samples (th
 count included, so all counts are timed under the same idle conditions), the learned count
 during mode 2's transition window, the configured count as an audit of forwards served at a
 learned count. When the engine has nothing to serve, ``idle_work`` hands it one shadow forward
-at a time, while shadow time stays within ``budget_fraction`` of wall time. A shadow whose
+at a time, once traffic has paused for ``idle_gap_s``, while shadow time stays within
+``budget_fraction`` of wall time. A shadow whose
 output equals the served output bit for bit adds a timing sample; any difference is drift:
 learning retires for good for this scope (stored durably) and every range serves the
 configured count again at once.
@@ -47,6 +48,7 @@ class TunerSettings:
     margin: float = 0.05  # a non-configured count must be this much faster
     audit_every: int = 8  # mode 2: shadow every Nth forward served at a learned count
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
+    idle_gap_s: float = 0.005  # a shadow starts only after traffic paused this long
     relearn_factor: float = 2.0  # served time per token moved this much: explore again
     relearn_window: int = 32  # served forwards compared for relearning
     flush_s: float = 2.0  # how often learnings are written to the record
@@ -96,6 +98,7 @@ class AdaptiveThreads:
         self._shadow_s = 0.0
         self._started = clock()
         self._last_flush = clock()
+        self._last_served = clock()
         self._dirty_samples: dict[tuple[int, int], list[float]] = {}
         self._dirty_learned: set[int] = set()
         self._unflushed_comparisons = 0
@@ -196,6 +199,7 @@ class AdaptiveThreads:
         return self.configured
 
     def observe(self, batch: TokenBatch, result: ForwardResult) -> None:
+        self._last_served = self.clock()
         if self.locked_reason is not None or self.retired is not None:
             return
         lo = size_range(batch.padded_tokens)[0]
@@ -206,10 +210,13 @@ class AdaptiveThreads:
             self._jobs.pop(lo, None)  # the newest batch of a range goes to the back
             self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
 
-    def idle_work(self) -> Callable[[], None] | None:
+    def idle_work(self) -> Callable[[], None] | float | None:
         if self.locked_reason is not None or self.retired is not None:
             return None
         now = self.clock()
+        quiet_s = now - self._last_served
+        if self._jobs and quiet_s < self.settings.idle_gap_s:
+            return self.settings.idle_gap_s - quiet_s  # traffic may go on: wait for a pause
         if self._jobs and self._shadow_s <= self.settings.budget_fraction * (now - self._started):
             lo = next(iter(self._jobs))
             job = self._jobs[lo]
