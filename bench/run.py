@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -115,7 +116,9 @@ def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[
     def ours(*flags: str, mode: str = "0"):
         def start():
             port = free_port()
-            env = {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode, "VLLM_SRUN_RECORD": record}
+            own = f"{record}.{port}"  # each server learns from scratch, keeping the voucher
+            shutil.copy(record, own)
+            env = {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode, "VLLM_SRUN_RECORD": own}
             proc = Proc([py, "-m", "server.cli", "serve", MODEL, "--port", str(port),
                          "--cache-entries", "0", "--log-level", "warning", *flags],
                         f"http://127.0.0.1:{port}", env=env)

@@ -298,3 +298,18 @@ def test_no_shadow_starts_before_traffic_pauses(backends):
     assert tuner.idle_work() == pytest.approx(0.003)  # the engine waits, then asks again
     now[0] = 0.006
     assert callable(tuner.idle_work())
+
+
+def test_decisions_rest_on_recent_samples(backends, tmp_path):
+    """Idle-time history says 2 threads; the last 48 samples (a neighbour arrived) say 1."""
+    record = HostRecord(tmp_path / "r.sqlite")
+    scope = Scope("test-host", M.revision, "onnxruntime")
+    record.add_samples(scope, 64, 1, [20.0] * 150)
+    record.add_samples(scope, 64, 2, [10.0] * 150)
+    record.add_samples(scope, 64, 1, [12.0] * 48)
+    record.add_samples(scope, 64, 2, [18.0] * 48)
+    runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2),
+                          TunerSettings())
+    runner.stop()
+    assert tuner.ranges[64].learned == 1
+    assert len(tuner.ranges[64].samples[2]) == 48

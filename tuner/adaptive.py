@@ -52,7 +52,7 @@ class TunerSettings:
     relearn_factor: float = 2.0  # served time per token moved this much: explore again
     relearn_window: int = 32  # served forwards compared for relearning
     flush_s: float = 2.0  # how often learnings are written to the record
-    max_samples: int = 256
+    max_samples: int = 48  # recent samples per count per range that decisions rest on
 
 
 @dataclass
@@ -125,8 +125,10 @@ class AdaptiveThreads:
         self.voucher = self._guard("read_voucher", lambda: record.voucher(self.scope)) or \
             self.voucher
         timings = self._guard("read_timings", lambda: record.timings(self.scope)) or {}
+        keep = self.settings.max_samples
         for lo, by_count in timings.items():
-            self.ranges[lo] = RangeLearning(samples={n: list(s) for n, s in by_count.items()})
+            self.ranges[lo] = RangeLearning(samples={n: list(v[-keep:])
+                                                     for n, v in by_count.items()})
         learned = self._guard("read_learned", lambda: record.learned(self.scope)) or {}
         for lo, row in learned.items():  # a new process verifies its window again
             self.ranges.setdefault(lo, RangeLearning()).learned = row["num_threads"]
