@@ -132,6 +132,7 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
     assert RangeState.SERVING in states, report
     assert sum(r.num_threads == 2 for r in runner.served) > 100
     assert report["drift"] is None and tuner.comparisons > 100  # transition + audits
+    assert tuner.audits > 10  # forwards served at a learned count, re-run at the configured
     stored = HostRecord(tmp_path / "r.sqlite")
     assert stored.learned(scope)
     assert stored.voucher(scope).comparisons > res.comparisons  # traffic adds to the count

@@ -94,6 +94,7 @@ class AdaptiveThreads:
         self.record_error: str | None = None
         self.ranges: dict[int, RangeLearning] = {}
         self.comparisons = 0
+        self.audits = 0  # verified shadows of forwards served at a learned count
         self._jobs: dict[int, _Job] = {}
         self._shadow_s = 0.0
         self._started = clock()
@@ -255,6 +256,8 @@ class AdaptiveThreads:
             return
         self.comparisons += 1
         self._unflushed_comparisons += 1
+        if job.served_threads != self.configured:
+            self.audits += 1
         r = self.ranges.setdefault(lo, RangeLearning())
         ms = result.forward_s * 1000
         kept = r.samples.setdefault(count, [])
