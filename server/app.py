@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -185,12 +186,42 @@ async def _run(runner: Runner, texts: list[str], truncate: bool,
         future, tokens = await asyncio.to_thread(runner.submit, texts, truncate, deadline)
     else:
         future, tokens = runner.submit(texts, truncate, deadline)
+    return await _answer(future, deadline), tokens
+
+
+async def _answer(future: Future, deadline: float) -> np.ndarray:
+    """Await the engine's future until the deadline; on timeout or cancellation, cancel it so
+    the engine drops the request's queued rows. (One loop future and one timer: cheaper than
+    ``wait_for(wrap_future(...))`` on this per-request path.)"""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def done(f: Future) -> None:
+        loop.call_soon_threadsafe(_settle, waiter, f)
+
+    timer = loop.call_later(max(0.0, deadline - time.monotonic()), _expire, waiter)
+    future.add_done_callback(done)
     try:
-        vectors = await asyncio.wait_for(asyncio.wrap_future(future),
-                                         max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        raise DeadlineExceeded("deadline passed before the answer was ready") from None
-    return vectors, tokens
+        return await waiter
+    finally:
+        timer.cancel()
+        future.cancel()  # no-op once answered; else the engine drops the queued rows
+
+
+def _settle(waiter: asyncio.Future, f: Future) -> None:
+    if waiter.done():
+        return
+    if f.cancelled():
+        waiter.set_exception(DeadlineExceeded("request was cancelled"))
+    elif (exc := f.exception()) is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(f.result())
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(DeadlineExceeded("deadline passed before the answer was ready"))
 
 
 def create_app(state: ServerState) -> FastAPI:
