@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -163,7 +164,7 @@ def round_trips(url: str, n: int) -> dict[str, float]:
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"input": SHORT, "model": MODEL}).encode()
 
-    def p50(method: str, path: str, payload: bytes | None) -> float:
+    def times_ms(method: str, path: str, payload: bytes | None) -> list[float]:
         times = []
         for _ in range(n):
             start = time.perf_counter()
@@ -171,13 +172,35 @@ def round_trips(url: str, n: int) -> dict[str, float]:
                          headers={"content-type": "application/json"})
             conn.getresponse().read()
             times.append((time.perf_counter() - start) * 1000)
-        return float(np.median(times[n // 10:]))
+        return times
 
     try:
-        return {"short_p50_ms": p50("POST", "/v1/embeddings", body),
-                "health_p50_ms": p50("GET", "/health", None)}
+        times_ms("POST", "/v1/embeddings", body)[:1]  # warm
+        before = forward_totals(url)
+        short = times_ms("POST", "/v1/embeddings", body)
+        after = forward_totals(url)
+        health = times_ms("GET", "/health", None)
     finally:
         conn.close()
+    out = {"short_p50_ms": float(np.median(short)), "health_p50_ms": float(np.median(health))}
+    if before is not None and after is not None and after[1] > before[1]:
+        server_forward_ms = 1000 * (after[0] - before[0]) / (after[1] - before[1])
+        out["short_mean_ms"] = float(np.mean(short))
+        out["server_forward_mean_ms"] = server_forward_ms
+    return out
+
+
+def forward_totals(url: str) -> tuple[float, float] | None:
+    """(sum of forward seconds, forwards) from a vllm-srun server's /metrics, else None."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    sums = re.findall(r"^vllm_srun_forward_seconds_sum\{[^}]*\} (\S+)$", text, re.M)
+    counts = re.findall(r"^vllm_srun_forward_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    if not counts:
+        return None
+    return sum(map(float, sums)), sum(map(float, counts))
 
 
 def neighbour_proc() -> subprocess.Popen:
@@ -301,7 +324,11 @@ def report(fwd: list[dict], http: dict, busy: dict, levels: list[int], counts: l
     lines += ["", "## Front-end overhead (short input, 1 client)", "",
               f"- end-to-end p50 {overhead['e2e_p50_ms']:.2f} ms, forward p50 "
               f"{overhead['forward_p50_ms']:.2f} ms (same text, same count, in-process), "
-              f"difference {overhead['overhead_ms']:.2f} ms; the HTTP round trip of "
+              f"difference {overhead['overhead_ms']:.2f} ms. Measured on the same requests: "
+              f"mean end-to-end {overhead['short_mean_ms']:.2f} ms − mean forward inside the "
+              f"server {overhead['server_forward_mean_ms']:.2f} ms (from its /metrics) = "
+              f"**{overhead['short_mean_ms'] - overhead['server_forward_mean_ms']:.2f} ms**"
+              f"; the HTTP round trip of "
               f"`GET /health` on the same connection is {overhead['health_p50_ms']:.2f} ms "
               "(client, loopback and server together). Client: one blocking keep-alive "
               "connection (http.client)."]
@@ -334,8 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     busy = {} if args.quick else http_table(levels, duration, None, record, neighbour=True)
     default = http.get("vllm-srun (default threads)", {})
     short_fwd = short_forward_ms(50 if args.quick else 300)
-    overhead = {"e2e_p50_ms": default.get("short_p50_ms", float("nan")),
-                "health_p50_ms": default.get("health_p50_ms", float("nan")),
+    nan = float("nan")
+    overhead = {"e2e_p50_ms": default.get("short_p50_ms", nan),
+                "health_p50_ms": default.get("health_p50_ms", nan),
+                "short_mean_ms": default.get("short_mean_ms", nan),
+                "server_forward_mean_ms": default.get("server_forward_mean_ms", nan),
                 "forward_p50_ms": short_fwd}
     overhead["overhead_ms"] = overhead["e2e_p50_ms"] - overhead["forward_p50_ms"]
     (out / "results.json").write_text(json.dumps(
