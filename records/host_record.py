@@ -223,7 +223,7 @@ class HostRecord:
             except sqlite3.Error as exc:
                 raise HostRecordError(f"cannot write host record {self.path}: {exc}") from exc
 
-    def _rows(self, sql: str, params: list) -> list[sqlite3.Row]:
+    def _rows(self, sql: str, params: list) -> list[dict]:
         with self._lock:
             cur = self._conn.execute(sql, params)
             names = [d[0] for d in cur.description]

@@ -50,7 +50,7 @@ class OnnxBackend:
         outputs = [o for o in probe.get_outputs() if len(o.shape) == want_rank]
         if not outputs:
             raise ArtifactError(f"{onnx_path} has no output of rank {want_rank}")
-        self._output = manifest.onnx_output or outputs[0].name
+        self._output = outputs[0].name
 
     def _session(self, num_threads: int):
         with self._lock:

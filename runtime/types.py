@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,7 +39,6 @@ class Manifest:
     tokenizer_path: str
     safetensors_path: str | None = None
     onnx_path: str | None = None
-    onnx_output: str | None = None
     labels: tuple[str, ...] = ()
 
 
@@ -91,4 +90,3 @@ class ForwardRecord:
     observed_threads: int
     forward_s: float
     requests: int = 1
-    extra: dict = field(default_factory=dict)

@@ -71,7 +71,7 @@ class ServerState:
 
     def __init__(self, deployment: Deployment, options: ServerOptions,
                  on_load_failure: Callable[[str], None] | None = None) -> None:
-        self.deployment_spec = deployment
+        self.deployment = deployment
         self.options = options
         self.metrics = Metrics()
         self.runner: Runner | None = None
@@ -85,7 +85,7 @@ class ServerState:
 
     def _load_now(self) -> None:
         try:
-            runner = self.deployment_spec.load(on_forward=self.metrics.record_forward)
+            runner = self.deployment.load(on_forward=self.metrics.record_forward)
         except Exception as exc:
             self.not_ready_reason = f"load failed: {exc}"
             log.error("model_load_failed error=%s", exc)
@@ -98,7 +98,7 @@ class ServerState:
         else:
             self.not_ready_reason = runner.not_ready_reason or "not ready"
 
-    def deployment(self, model: str | None) -> Runner:
+    def runner_for(self, model: str | None) -> Runner:
         runner = self.runner
         if runner is None or not runner.ready:
             raise ApiError(503, "not_ready", f"model is not ready: {self.not_ready_reason}",
@@ -257,7 +257,7 @@ def create_app(state: ServerState) -> FastAPI:
         async def work() -> Response:
             body = _parse(await _read_body(request, state.options.max_body_bytes),
                           EmbeddingsBody)
-            runner = state.deployment(body.model)
+            runner = state.runner_for(body.model)
             texts = _texts(body.input)
             manifest = runner.manifest
             if manifest.task is not Task.EMBED:
@@ -282,7 +282,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def classify(request: Request) -> Response:
         async def work() -> Response:
             body = _parse(await _read_body(request, state.options.max_body_bytes), ClassifyBody)
-            runner = state.deployment(body.model)
+            runner = state.runner_for(body.model)
             texts = _texts(body.input)
             manifest = runner.manifest
             if manifest.task is not Task.CLASSIFY:
@@ -323,7 +323,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/threads")
     async def threads() -> Response:
-        return _json(state.deployment_spec.threads_report(state.runner))
+        return _json(state.deployment.threads_report(state.runner))
 
     @app.get("/metrics")
     async def metrics() -> Response:

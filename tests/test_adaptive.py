@@ -59,6 +59,13 @@ def wait_for(predicate, timeout_s=60.0):
     return False
 
 
+def serve_paced(runner, tuner, r: list[int]):
+    """Serve one request, then give the idle worker time for its shadow passes (a pause)."""
+    out = runner.engine.submit([r]).result(timeout=60)
+    wait_for(lambda: not tuner._jobs, 30)
+    return out
+
+
 def row(tokens: int, salt: int = 0) -> list[int]:
     rng = np.random.default_rng(tokens * 1000 + salt)
     return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
@@ -122,9 +129,8 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
     runner, tuner = start(backend, record, AdaptiveMode.SERVE, 1, (1, 2))
     try:
         for r, reference in zip(rows, references, strict=True):
-            served = runner.engine.submit([r]).result(timeout=60)
+            served = serve_paced(runner, tuner, r)
             assert np.array_equal(output_bits(served), output_bits(reference))
-            wait_for(lambda: not tuner._jobs, 30)
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
@@ -143,8 +149,7 @@ def test_mode1_learns_from_real_timings(backends, tmp_path):
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
     try:
         for i in range(12):
-            runner.engine.submit([row(100, i)]).result(timeout=60)
-            wait_for(lambda: not tuner._jobs, 30)
+            serve_paced(runner, tuner, row(100, i))
     finally:
         runner.stop()
     assert {r.num_threads for r in runner.served} == {1}
@@ -158,8 +163,7 @@ def test_mode2_without_voucher_acts_as_mode1_and_says_why(backends, tmp_path):
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.SERVE, 1, (1, 2))
     try:
         for i in range(60):
-            runner.engine.submit([row(100, i)]).result(timeout=60)
-            wait_for(lambda: not tuner._jobs, 5)
+            serve_paced(runner, tuner, row(100, i))
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
@@ -239,7 +243,7 @@ def test_mkl_cbwr_makes_torch_exact_and_learning_proceeds(tmp_path):
     script = f"""
 import json, numpy as np
 from records.host_record import HostRecord
-from tests.test_adaptive import start, row, wait_for, FAST
+from tests.test_adaptive import start, row, serve_paced, FAST
 from runtime.backend import load_backend
 from tuner.modes import AdaptiveMode
 from tuner.report import build, from_tuner
@@ -249,8 +253,7 @@ record = HostRecord({str(tmp_path / "r.sqlite")!r})
 runner, tuner = start(load_backend(resolve(L6), "torch"), record, AdaptiveMode.LEARN, 2, (1, 2))
 for tokens in range(5, 12):
     for i in range(3):
-        runner.engine.submit([row(tokens, i)]).result(timeout=60)
-        wait_for(lambda: not tuner._jobs, 10)
+        serve_paced(runner, tuner, row(tokens, i))
 runner.stop()
 rep = build(from_tuner(tuner))
 from runtime.engine import pad
@@ -278,9 +281,8 @@ def test_a_restarted_worker_verifies_its_window_again_before_serving(backends, t
     try:
         served = []
         for i in range(6):
-            runner.engine.submit([row(80, i)]).result(timeout=60)
+            serve_paced(runner, tuner, row(80, i))
             served.append(runner.served[-1].num_threads)
-            wait_for(lambda: not tuner._jobs, 30)
     finally:
         runner.stop()
     assert served[:3] == [1, 1, 1] and served[3:] == [2, 2, 2]  # a window of 3 shadows first

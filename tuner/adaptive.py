@@ -268,7 +268,7 @@ class AdaptiveThreads:
         if count == r.learned and count != job.served_threads:
             r.streak += 1
             self._dirty_learned.add(lo)
-        self._maybe_serve(r)
+        self._maybe_serve(lo, r)
 
     def _update(self, lo: int, r: RangeLearning) -> None:
         s = self.settings
@@ -282,12 +282,11 @@ class AdaptiveThreads:
         log.info("threads_learned range=%d-%d num_threads=%d speedup=%.3f", lo, 2 * lo - 1,
                  new, self._speedup(r))
 
-    def _maybe_serve(self, r: RangeLearning) -> None:
+    def _maybe_serve(self, lo: int, r: RangeLearning) -> None:
         if (self.mode is AdaptiveMode.SERVE and not r.serving and self.retired is None
                 and r.learned not in (None, self.configured)
                 and r.streak >= self.settings.window and self.voucher.vouches):
             r.serving = True
-            lo = next((k for k, v in self.ranges.items() if v is r), 0)
             log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
                      lo, 2 * lo - 1, r.learned, r.streak)
 
