@@ -91,14 +91,15 @@ class TorchBackend:
 
     name = BackendName.TORCH
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, device: str = "cpu") -> None:
         import torch
 
         from runtime.torch_model import load_module
 
         self._torch = torch
         self.manifest = manifest
-        self.module = load_module(manifest)
+        self.device = torch.device(device)
+        self.module = load_module(manifest).to(self.device)
         self._seen = threading.local()
         self.module.register_forward_pre_hook(self._observe)
 
@@ -107,11 +108,11 @@ class TorchBackend:
 
     def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
         torch = self._torch
-        ids = torch.from_numpy(batch.input_ids)
-        mask = torch.from_numpy(batch.attention_mask)
         start = time.perf_counter()
+        ids = torch.from_numpy(batch.input_ids).to(self.device)
+        mask = torch.from_numpy(batch.attention_mask).to(self.device)
         with torch.inference_mode():
-            out = self.module(ids, mask).numpy()
+            out = self.module(ids, mask).float().cpu().numpy()
         forward_s = time.perf_counter() - start
         observed = self._seen.num_threads
         return ForwardResult(_finish(self.manifest, out, batch), num_threads, observed, forward_s)
@@ -120,8 +121,18 @@ class TorchBackend:
         pass
 
 
-def load_backend(manifest: Manifest, backend: BackendName | str) -> Backend:
-    """Build a backend for the artifact (exporting ONNX once per revision if needed)."""
+def torch_device(device: str) -> str:
+    """A config device (``cpu``, ``cuda:N``, ``rocm:N``) as torch names it (ROCm builds of
+    torch address AMD GPUs as ``cuda``)."""
+    return "cuda" + device[4:] if device.startswith("rocm") else device
+
+
+def load_backend(manifest: Manifest, backend: BackendName | str,
+                 device: str = "cpu") -> Backend:
+    """Build a backend for the artifact (exporting ONNX once per revision if needed). A GPU
+    device always runs torch: the onnxruntime build here is CPU-only."""
+    if device != "cpu":
+        return TorchBackend(manifest, torch_device(device))
     try:
         name = BackendName(backend)
     except ValueError:

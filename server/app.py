@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
-import threading
+import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,23 +24,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.errors import (
-    DeadlineExceeded,
-    EngineStopped,
-    InputError,
-    RuntimeFault,
-    Unsupported,
-)
-from runtime.runner import Runner
+from runtime.errors import RuntimeFault
 from runtime.types import Task
-from server.deployment import Deployment
+from server.bridge import fault_status
+from server.config import Config
 from server.metrics import Metrics
+from server.pool import DeploymentPool, Pool, PoolError, PoolOptions
+from server.replicas import ExchangeError
 from server.schemas import MAX_INPUTS, ClassifyBody, EmbeddingsBody, error_body
 
 log = logging.getLogger(__name__)
 
 DEADLINE_HEADER = "x-request-timeout-ms"
-OFFLOAD_CHARS = 20_000  # tokenize bigger requests off the event loop
+REPLICA_HEADER = "x-vllm-srun-replica"
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -51,67 +47,48 @@ class ApiError(Exception):
         self.status, self.code, self.message, self.headers = status, code, message, headers
 
 
-_FAULT_TO_STATUS: list[tuple[type[Exception], int, str]] = [
-    (InputError, 400, "invalid_request"),
-    (Unsupported, 422, "unsupported"),
-    (DeadlineExceeded, 504, "deadline_exceeded"),
-    (EngineStopped, 503, "not_ready"),
-    (RuntimeFault, 500, "internal_error"),
-]
-
-
 @dataclass
 class ServerOptions:
     max_body_bytes: int = 4 * 1024 * 1024
-    served_names: tuple[str, ...] = ()
 
 
 class ServerState:
-    """The one deployment this server serves; loaded in the background after binding."""
+    """The pool this server dispatches to; its workers start after the socket is bound."""
 
-    def __init__(self, deployment: Deployment, options: ServerOptions,
-                 on_load_failure: Callable[[str], None] | None = None) -> None:
-        self.deployment = deployment
+    def __init__(self, config: Config, pool_options: PoolOptions, options: ServerOptions,
+                 on_load_failure: Callable[[str], None] | None = None,
+                 reload_config: Callable[[], Config] | None = None) -> None:
+        self.config = config
         self.options = options
         self.metrics = Metrics()
-        self.runner: Runner | None = None
-        self.not_ready_reason = "loading"
-        self._on_load_failure = on_load_failure
+        self.pool = Pool(pool_options, self.metrics, on_forward=self.metrics.record_forward,
+                         on_load_failure=on_load_failure)
+        self._reload_config = reload_config
 
-    def load_in_background(self) -> threading.Thread:
-        thread = threading.Thread(target=self._load_now, name="model-load", daemon=True)
-        thread.start()
-        return thread
+    async def start(self) -> None:
+        await self.pool.start(self.config)
 
-    def _load_now(self) -> None:
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def reload(self) -> dict | None:
+        """Re-read the config (SIGHUP) and reconfigure; a bad config changes nothing."""
+        if self._reload_config is None:
+            return None
         try:
-            runner = self.deployment.load(on_forward=self.metrics.record_forward)
-        except Exception as exc:
-            self.not_ready_reason = f"load failed: {exc}"
-            log.error("model_load_failed error=%s", exc)
-            if self._on_load_failure:
-                self._on_load_failure(str(exc))
-            return
-        self.runner = runner
-        if runner.ready:
-            self.metrics.ready.set(1)
-        else:
-            self.not_ready_reason = runner.not_ready_reason or "not ready"
+            config = self._reload_config()
+            summary = await self.pool.reconfigure(config)
+        except RuntimeFault as exc:
+            log.error("reconfiguration_failed error=%s", exc)
+            return None
+        self.config = config
+        log.warning("reconfigured %s", summary)
+        return summary
 
-    def runner_for(self, model: str | None) -> Runner:
-        runner = self.runner
-        if runner is None or not runner.ready:
-            raise ApiError(503, "not_ready", f"model is not ready: {self.not_ready_reason}",
-                           {"Retry-After": "1"})
-        names = {runner.manifest.name, *self.options.served_names}
-        if model is not None and model not in names:
-            raise ApiError(404, "model_not_found",
-                           f"model {model!r} is not served here; served: {sorted(names)}")
-        return runner
-
-    def close(self) -> None:
-        if self.runner is not None:
-            self.runner.stop()
+    def ready(self) -> tuple[bool, str]:
+        ok, reason = self.pool.ready()
+        self.metrics.ready.set(1 if ok else 0)
+        return ok, reason
 
 
 def _json(payload: object, status: int = 200, headers: dict[str, str] | None = None):
@@ -178,57 +155,25 @@ def _deadline(request: Request) -> float | None:
     return time.monotonic() + int(raw) / 1000
 
 
-async def _run(runner: Runner, texts: list[str], truncate: bool,
-               deadline: float | None) -> tuple[np.ndarray, int]:
-    limit = time.monotonic() + runner.args.timeout_ms / 1000
-    deadline = limit if deadline is None else min(deadline, limit)
-    if sum(len(t) for t in texts) > OFFLOAD_CHARS:
-        future, tokens = await asyncio.to_thread(runner.submit, texts, truncate, deadline)
-    else:
-        future, tokens = runner.submit(texts, truncate, deadline)
-    return await _answer(future, deadline), tokens
-
-
-async def _answer(future: Future, deadline: float) -> np.ndarray:
-    """Await the engine's future until the deadline; on timeout or cancellation, cancel it so
-    the engine drops the request's queued rows. (One loop future and one timer: cheaper than
-    ``wait_for(wrap_future(...))`` on this per-request path.)"""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def done(f: Future) -> None:
-        loop.call_soon_threadsafe(_settle, waiter, f)
-
-    timer = loop.call_later(max(0.0, deadline - time.monotonic()), _expire, waiter)
-    future.add_done_callback(done)
-    try:
-        return await waiter
-    finally:
-        timer.cancel()
-        future.cancel()  # no-op once answered; else the engine drops the queued rows
-
-
-def _settle(waiter: asyncio.Future, f: Future) -> None:
-    if waiter.done():
-        return
-    if f.cancelled():
-        waiter.set_exception(DeadlineExceeded("request was cancelled"))
-    elif (exc := f.exception()) is not None:
-        waiter.set_exception(exc)
-    else:
-        waiter.set_result(f.result())
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_exception(DeadlineExceeded("deadline passed before the answer was ready"))
+async def _infer(dep: DeploymentPool, texts: list[str], truncate: bool,
+                 deadline: float | None) -> tuple[np.ndarray, int, dict[str, str]]:
+    """Dispatch; returns rows, prompt tokens and the header naming the replica that answered."""
+    limit = time.monotonic() + dep.config.engine.timeout_ms / 1000
+    out, tokens, replica = await dep.infer(texts, truncate,
+                                           limit if deadline is None else min(deadline, limit))
+    return out, tokens, {REPLICA_HEADER: replica}
 
 
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        await state.start()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP,  # reconfigure from the config file
+                                    lambda: asyncio.ensure_future(state.reload()))
         yield
-        state.close()
+        await state.close()
 
     app = FastAPI(title="vllm-srun", lifespan=lifespan)
 
@@ -237,11 +182,14 @@ def create_app(state: ServerState) -> FastAPI:
             response = await work()
             state.metrics.requests.labels(endpoint, "ok").inc()
             return response
-        except ApiError as exc:
+        except (ApiError, PoolError) as exc:
             state.metrics.requests.labels(endpoint, exc.code).inc()
             return _error(exc)
+        except ExchangeError as exc:
+            state.metrics.requests.labels(endpoint, exc.code).inc()
+            return _error(ApiError(exc.status, exc.code, exc.message))
         except RuntimeFault as exc:
-            status, code = next((s, c) for t, s, c in _FAULT_TO_STATUS if isinstance(exc, t))
+            status, code = fault_status(exc)
             if status >= 500:
                 log.warning("request_failed endpoint=%s code=%s error=%s", endpoint, code, exc)
             state.metrics.requests.labels(endpoint, code).inc()
@@ -257,16 +205,18 @@ def create_app(state: ServerState) -> FastAPI:
         async def work() -> Response:
             body = _parse(await _read_body(request, state.options.max_body_bytes),
                           EmbeddingsBody)
-            runner = state.runner_for(body.model)
+            dep = state.pool.deployment_for(body.model)
             texts = _texts(body.input)
-            manifest = runner.manifest
+            manifest = dep.info
             if manifest.task is not Task.EMBED:
                 raise ApiError(422, "unsupported",
                                f"model {manifest.name!r} is a classifier; use /v1/classify")
-            if body.dimensions is not None and body.dimensions != manifest.hidden_size:
+            if body.dimensions is not None and manifest.hidden_size is not None \
+                    and body.dimensions != manifest.hidden_size:
                 raise ApiError(422, "unsupported", f"dimensions must be {manifest.hidden_size} "
                                f"for {manifest.name!r}, got {body.dimensions}")
-            vectors, tokens = await _run(runner, texts, body.truncate, _deadline(request))
+            vectors, tokens, headers = await _infer(dep, texts, body.truncate,
+                                                    _deadline(request))
             if body.encoding_format == "base64":
                 data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
             else:
@@ -275,20 +225,21 @@ def create_app(state: ServerState) -> FastAPI:
                 "object": "list", "model": manifest.name,
                 "data": [{"object": "embedding", "index": i, "embedding": e}
                          for i, e in enumerate(data)],
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
         return await handle("embeddings", work)
 
     @app.post("/v1/classify")
     async def classify(request: Request) -> Response:
         async def work() -> Response:
             body = _parse(await _read_body(request, state.options.max_body_bytes), ClassifyBody)
-            runner = state.runner_for(body.model)
+            dep = state.pool.deployment_for(body.model)
             texts = _texts(body.input)
-            manifest = runner.manifest
+            manifest = dep.info
             if manifest.task is not Task.CLASSIFY:
                 raise ApiError(422, "unsupported", f"model {manifest.name!r} has no "
                                "classification head; use /v1/embeddings")
-            logits, tokens = await _run(runner, texts, body.truncate, _deadline(request))
+            logits, tokens, headers = await _infer(dep, texts, body.truncate,
+                                                   _deadline(request))
             shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
             probs = shifted / shifted.sum(axis=1, keepdims=True)
             top_k = min(body.top_k or len(manifest.labels), len(manifest.labels))
@@ -300,35 +251,58 @@ def create_app(state: ServerState) -> FastAPI:
                              "scores": [{"label": manifest.labels[j], "score": float(p[j])}
                                         for j in order]})
             return _json({"object": "list", "model": manifest.name, "data": data,
-                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                         headers=headers)
         return await handle("classify", work)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        runner = state.runner
         data = []
-        if runner is not None:
-            m = runner.manifest
-            data.append({"id": m.name, "object": "model", "created": 0, "owned_by": "vllm-srun",
-                         "revision": m.revision, "task": m.task.value, "max_tokens": m.max_tokens,
-                         "dimensions": m.hidden_size, "backend": runner.backend.name.value,
-                         "num_threads": runner.args.num_threads})
+        for dep in list(state.pool.deployments.values()):
+            m = dep.info
+            entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "vllm-srun",
+                     "deployment": dep.name, "revision": m.revision, "task": m.task.value,
+                     "max_tokens": m.max_tokens, "dimensions": m.hidden_size,
+                     "backend": dep.config.backend or "onnxruntime",
+                     "replicas": len(dep.replicas)}
+            limits = [r.limits for r in dep.replicas if r.state == "ready" and r.limits]
+            if limits and all(x == limits[0] for x in limits):
+                entry.update(limits[0])  # what an attaching pool checks (R5.4)
+            local = state.pool.local_replica()
+            if local is not None and local in dep.replicas and local.runner is not None:
+                entry["num_threads"] = local.runner.args.num_threads
+            data.append(entry)
         return _json({"object": "list", "data": data})
 
     @app.get("/health")
     async def health() -> Response:
-        if state.runner is None or not state.runner.ready:
-            return _json(error_body("not_ready", state.not_ready_reason), 503)
-        return _json({"status": "ok", "model": state.runner.manifest.name})
+        ok, reason = state.ready()
+        if not ok:
+            return _json(error_body("not_ready", reason), 503)
+        return _json({"status": "ok", "model": state.pool.deployment_for(None).info.name})
 
     @app.get("/v1/threads")
     async def threads() -> Response:
-        return _json(state.deployment.threads_report(state.runner))
+        local = state.pool.local_replica()
+        if local is not None:
+            return _json(await local.threads_report())
+        out = {}
+        for dep in list(state.pool.deployments.values()):
+            reports = await asyncio.gather(*(r.threads_report() for r in dep.replicas))
+            out[dep.name] = {r.id: rep for r, rep in zip(dep.replicas, reports, strict=True)}
+        return _json({"deployments": out})
+
+    @app.get("/v1/inventory")
+    async def inventory() -> Response:
+        return _json(state.pool.inventory())
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.runner is not None:
-            state.metrics.cache_hits.set(state.runner.cache.hits)
+        local = state.pool.local_replica()
+        if local is not None and local.runner is not None:
+            state.metrics.cache_hits.set(local.runner.cache.hits)
+        state.metrics.pool_snapshot(state.pool.inventory())
+        state.ready()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

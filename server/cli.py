@@ -9,7 +9,7 @@ import socket
 import sys
 
 from runtime.artifact import BUILTIN_MODELS, DEFAULT_MODEL
-from runtime.errors import RuntimeFault
+from runtime.errors import ConfigError, RuntimeFault
 from runtime.types import BackendName
 
 log = logging.getLogger("vllm_srun")
@@ -46,29 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over HTTP",
         description="Serve one model over HTTP (OpenAI-compatible /v1/embeddings).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                       help=f"a built-in model ({', '.join(BUILTIN_MODELS)}) or a local Hugging "
-                            "Face folder with tokenizer.json and model.safetensors or model.onnx")
-    serve.add_argument("--backend", choices=[b.value for b in BackendName],
-                       default=BackendName.ONNXRUNTIME.value,
-                       help="CPU backend; onnxruntime exports the model to ONNX once per "
-                            "revision into the cache")
-    serve.add_argument("--threads", type=_positive("--threads"), default=None,
-                       help="intra-op threads per forward (default: $VLLM_SRUN_CPU_THREADS, "
-                            "else half the CPU budget in 1..16), capped by the CPU budget")
+    _add_config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind")
     serve.add_argument("--port", type=_port, default=8000, help="port to bind (0 = any free)")
-    serve.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=32,
-                       help="most rows in one forward")
-    serve.add_argument("--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"),
-                       default=8192, help="most padded tokens (rows x longest) in one forward")
-    serve.add_argument("--timeout-ms", type=_positive("--timeout-ms"), default=30_000,
-                       help="longest a request may take; a caller may ask for less with the "
-                            "X-Request-Timeout-Ms header")
     serve.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"),
                        default=4 * 1024 * 1024, help="largest request body accepted")
-    serve.add_argument("--cache-entries", type=int, default=4096,
-                       help="rows kept in the result cache (0 turns it off)")
     _add_threads_flags(serve)
     serve.add_argument("--mkl-cbwr", action="store_true",
                        help="torch backend: run with MKL_CBWR=AUTO (MKL's reproducible mode, "
@@ -79,7 +61,78 @@ def build_parser() -> argparse.ArgumentParser:
     from server.threads_cli import add_threads_commands
 
     add_threads_commands(sub, _add_threads_flags)
+    config = sub.add_parser("config", help="the canonical config the flags and file make")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show", help="print the canonical config.yaml that serve would run with the same "
+                     "flags (R6.2: flags and file are one resource)")
+    _add_config_flags(show)
     return parser
+
+
+def _device_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x, 10) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--device-ids must be comma-separated integers like 0,1, got {text!r}") from None
+    if any(i < 0 or i > 255 for i in ids):
+        raise argparse.ArgumentTypeError(f"--device-ids must be in 0..255, got {text!r}")
+    return ids
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that write the canonical config (R6.2); unset flags leave the file's values."""
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"artifact of the bound deployment: a built-in model "
+                        f"({', '.join(BUILTIN_MODELS)}) or a local Hugging Face folder with "
+                        f"tokenizer.json and model.safetensors or model.onnx (default without "
+                        f"--config: {DEFAULT_MODEL}; with --config, the file's artifact)")
+    p.add_argument("--config", default=None, help="config.yaml (global.model_catalog ...)")
+    p.add_argument("--platform", choices=["cpu", "cuda", "rocm"], default=None,
+                   help="where -dp places workers")
+    p.add_argument("-dp", "--data-parallel-size", dest="dp", type=_positive("-dp"),
+                   default=None, help="independent worker processes (replicas) of the bound "
+                                      "deployment")
+    p.add_argument("--device-ids", type=_device_ids, default=None,
+                   help="GPU ordinals for -dp, in order (repeat an id for several workers "
+                        "on one device)")
+    p.add_argument("--backend", choices=[b.value for b in BackendName], default=None,
+                   help="CPU backend (default onnxruntime, which exports the model to ONNX "
+                        "once per revision into the cache); GPU workers run torch")
+    p.add_argument("--threads", type=_positive("--threads"), default=None,
+                   help="intra-op threads per CPU worker (default: $VLLM_SRUN_CPU_THREADS, "
+                        "else half the CPU budget in 1..16), capped by the CPU budget")
+    p.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=None,
+                   help="most rows in one forward (default: 32)")
+    p.add_argument("--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"),
+                   default=None, help="most padded tokens (rows x longest) in one forward "
+                                      "(default: calibrated per worker at start)")
+    p.add_argument("--timeout-ms", type=_positive("--timeout-ms"), default=None,
+                   help="longest a request may take (default 30000); a caller may ask for "
+                        "less with the X-Request-Timeout-Ms header")
+    p.add_argument("--cache-entries", type=int, default=None,
+                   help="rows kept in the result cache (default 4096; 0 turns it off)")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The canonical config: the file (if any) with the flags written into it."""
+    from server.config import apply_flags, load, visible_devices
+
+    if args.cache_entries is not None and args.cache_entries < 0:
+        raise ConfigError(f"--cache-entries must be >= 0, got {args.cache_entries}")
+    engine = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens",
+                                            "timeout_ms", "cache_entries")
+              if getattr(args, k) is not None}
+    if args.threads is not None:
+        engine["num_threads"] = args.threads
+    base = load(args.config) if args.config else None
+    gpu = args.platform in ("cuda", "rocm") or (base is not None and any(
+        (r.device or "cpu") != "cpu" for d in base.deployments.values()
+        for r in d.placements()))
+    return apply_flags(base, model=args.model, backend=args.backend, platform=args.platform,
+                       dp=args.dp, device_ids=args.device_ids, engine=engine,
+                       available=visible_devices() if gpu else {"cpu": 1})
 
 
 def _add_threads_flags(p: argparse.ArgumentParser) -> None:
@@ -95,9 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker call otherwise
     try:
         if args.command == "serve":
             return serve(args, sys.argv[1:] if argv is None else argv)
+        if args.command == "config":
+            sys.stdout.write(config_from_args(args).to_yaml())
+            return 0
         from server.threads_cli import run_threads
 
         return run_threads(args)
@@ -110,13 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
-    from runtime.artifact import resolve
     from runtime.budget import configured_threads, cpu_budget
-    from runtime.errors import ConfigError
-    from runtime.runner import check_args
-    from runtime.types import EngineArgs
     from server.app import ServerOptions, ServerState, create_app
-    from server.deployment import Deployment, DeploymentSpec
+    from server.config import check_placement, visible_devices
+    from server.pool import PoolOptions, dispatch_mode
     from tuner.modes import max_threads, parse_mode
 
     if args.mkl_cbwr:
@@ -125,20 +179,18 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         if os.environ.get("MKL_CBWR") != "AUTO":  # MKL reads it once, when torch loads
             os.execve(sys.executable, [sys.executable, "-m", "server.cli", *argv],
                       {**os.environ, "MKL_CBWR": "AUTO"})
+    config = config_from_args(args)
+    uses_gpu = any((r.device or "cpu") != "cpu" for d in config.deployments.values()
+                   for r in d.placements())
+    check_placement(config, visible_devices() if uses_gpu else {"cpu": 1})
     budget = cpu_budget()
-    num_threads = configured_threads(budget, args.threads)
+    bound = config.deployments[config.bound]
+    num_threads = configured_threads(budget, bound.engine.num_threads)
     mode = parse_mode()
     top = max_threads(budget, args.max_threads)
-    if args.cache_entries < 0:
-        raise ConfigError(f"--cache-entries must be >= 0, got {args.cache_entries}")
-    engine_args = EngineArgs(num_threads=num_threads, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             timeout_ms=args.timeout_ms, cache_entries=args.cache_entries)
-    manifest = resolve(args.model)  # fail fast on a bad MODEL, before binding
-    check_args(engine_args, manifest)
+    _check_deployments(config)  # fail fast on a bad MODEL or limits, before binding
+    dispatch_mode()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    deployment = Deployment(DeploymentSpec(args.model, args.backend, engine_args, budget, mode,
-                                           top, args.record), manifest)
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -149,25 +201,50 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     sock.listen(2048)  # connections queue from now on, before the app starts accepting
     host, port = sock.getsockname()[:2]
     server_box: list[uvicorn.Server] = []
+    failed: list[str] = []
 
-    def on_load_failure(_reason: str) -> None:
+    def on_load_failure(reason: str) -> None:
+        failed.append(reason)
         if server_box:
             server_box[0].should_exit = True
 
-    state = ServerState(deployment, ServerOptions(max_body_bytes=args.max_body_bytes,
-                                      served_names=(args.model,)),
-                        on_load_failure)
-    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
-                            http="httptools", loop="uvloop", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    def reload_config():
+        return config_from_args(args)
+
+    state = ServerState(config, PoolOptions(budget, int(mode), top, args.record,
+                                            args.log_level),
+                        ServerOptions(max_body_bytes=args.max_body_bytes), on_load_failure,
+                        reload_config if args.config else None)
+    uv_config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
+                               http="httptools", loop="uvloop", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uv_config)
     server_box.append(server)
     shown = f"[{host}]" if ":" in host else host
-    print(f"vllm-srun: serving {manifest.name} (backend {args.backend}, {num_threads} threads, "
-          f"CPU budget {budget}, adaptive threads mode {int(mode)}) on http://{shown}:{port}",
-          flush=True)
-    state.load_in_background()
+    replicas = len(bound.placements())
+    print(f"vllm-srun: serving {bound.artifact} (deployment {config.bound}, {replicas} "
+          f"replica{'s' if replicas > 1 else ''}, backend {bound.backend or 'onnxruntime'}, "
+          f"{num_threads} threads per CPU worker, CPU budget {budget}, adaptive threads mode "
+          f"{int(mode)}) on http://{shown}:{port}", flush=True)
     server.run(sockets=[sock])
-    return 1 if state.runner is None else 0
+    return 1 if failed else 0
+
+
+def _check_deployments(config) -> None:
+    """Resolve each managed deployment's artifact and check its set limits, naming the key."""
+    from runtime.artifact import resolve
+
+    for name, dep in config.deployments.items():
+        if all(r.endpoint for r in dep.placements()):
+            continue
+        key = f"global.model_catalog.deployments.{name}"
+        try:
+            manifest = resolve(dep.artifact)
+        except RuntimeFault as exc:
+            raise ConfigError(f"{key}.artifact: {exc}") from None
+        tokens = dep.engine.max_num_batched_tokens
+        if tokens is not None and tokens < manifest.max_tokens:
+            raise ConfigError(f"{key}.engine.max_num_batched_tokens: {tokens} must be at least "
+                              f"the model's max tokens ({manifest.max_tokens})")
 
 
 if __name__ == "__main__":

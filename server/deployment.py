@@ -11,6 +11,7 @@ from pathlib import Path
 from records.host_record import HostRecord, HostRecordError, Scope, default_record_path
 from runtime.artifact import resolve
 from runtime.backend import Backend, load_backend
+from runtime.calibrate import calibrate
 from runtime.host import host_fingerprint
 from runtime.paths import data_dir
 from runtime.runner import Runner
@@ -33,6 +34,12 @@ class DeploymentSpec:
     max_threads: int | None = None
     record_path: str | None = None
     settings: TunerSettings | None = None
+    device: str = "cpu"
+    # batch limits the deployment set; None = calibrate at start (R3.2). ``args`` holds
+    # provisional values until then.
+    set_max_num_seqs: int | None = None
+    set_max_num_batched_tokens: int | None = None
+    calibrate: bool = False
 
 
 def record_path(spec_path: str | None) -> Path:
@@ -55,16 +62,27 @@ def scope_for(manifest: Manifest, backend: Backend, budget: int) -> Scope:
 class Deployment:
     """Builds and starts the Runner of a spec; keeps the tuner for reports."""
 
-    def __init__(self, spec: DeploymentSpec, manifest: Manifest | None = None) -> None:
+    def __init__(self, spec: DeploymentSpec, manifest: Manifest | None = None,
+                 wrap_backend: Callable[[Backend], Backend] | None = None) -> None:
         self.spec = spec
+        self.wrap_backend = wrap_backend
         self.manifest = manifest or resolve(spec.model)
         self.tuner: AdaptiveThreads | None = None
         self.record_path = record_path(spec.record_path)
 
     def load(self, on_forward: Callable[[ForwardRecord], None] | None = None) -> Runner:
+        runner = self._load(on_forward)
+        if self.spec.calibrate and runner.ready:
+            calibrate(runner, self.spec.set_max_num_seqs, self.spec.set_max_num_batched_tokens,
+                      self.spec.device)
+        return runner
+
+    def _load(self, on_forward: Callable[[ForwardRecord], None] | None) -> Runner:
         spec, manifest = self.spec, self.manifest
-        backend = load_backend(manifest, spec.backend)
-        if spec.mode is AdaptiveMode.OFF:
+        backend = load_backend(manifest, spec.backend, spec.device)
+        if self.wrap_backend is not None:
+            backend = self.wrap_backend(backend)
+        if spec.mode is AdaptiveMode.OFF or spec.device != "cpu":
             runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
             runner.start()
             return runner

@@ -1,0 +1,79 @@
+"""Awaiting an engine's answer from asyncio: shared by the front end and worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from runtime.errors import (
+    DeadlineExceeded,
+    EngineStopped,
+    InputError,
+    RuntimeFault,
+    Unsupported,
+)
+from runtime.runner import Runner
+
+OFFLOAD_CHARS = 20_000  # tokenize bigger requests off the event loop
+
+_FAULT_TO_STATUS: list[tuple[type[Exception], int, str]] = [
+    (InputError, 400, "invalid_request"),
+    (Unsupported, 422, "unsupported"),
+    (DeadlineExceeded, 504, "deadline_exceeded"),
+    (EngineStopped, 503, "not_ready"),
+    (RuntimeFault, 500, "internal_error"),
+]
+
+
+def fault_status(exc: RuntimeFault) -> tuple[int, str]:
+    """The R7.2 status and code of a runtime fault."""
+    return next((s, c) for t, s, c in _FAULT_TO_STATUS if isinstance(exc, t))
+
+
+async def run(runner: Runner, texts: list[str], truncate: bool,
+               deadline: float | None) -> tuple[np.ndarray, int]:
+    limit = time.monotonic() + runner.args.timeout_ms / 1000
+    deadline = limit if deadline is None else min(deadline, limit)
+    if sum(len(t) for t in texts) > OFFLOAD_CHARS:
+        future, tokens = await asyncio.to_thread(runner.submit, texts, truncate, deadline)
+    else:
+        future, tokens = runner.submit(texts, truncate, deadline)
+    return await answer(future, deadline), tokens
+
+
+async def answer(future: Future, deadline: float) -> np.ndarray:
+    """Await the engine's future until the deadline; on timeout or cancellation, cancel it so
+    the engine drops the request's queued rows. (One loop future and one timer: cheaper than
+    ``wait_for(wrap_future(...))`` on this per-request path.)"""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def done(f: Future) -> None:
+        loop.call_soon_threadsafe(_settle, waiter, f)
+
+    timer = loop.call_later(max(0.0, deadline - time.monotonic()), _expire, waiter)
+    future.add_done_callback(done)
+    try:
+        return await waiter
+    finally:
+        timer.cancel()
+        future.cancel()  # no-op once answered; else the engine drops the queued rows
+
+
+def _settle(waiter: asyncio.Future, f: Future) -> None:
+    if waiter.done():
+        return
+    if f.cancelled():
+        waiter.set_exception(DeadlineExceeded("request was cancelled"))
+    elif (exc := f.exception()) is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(f.result())
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(DeadlineExceeded("deadline passed before the answer was ready"))

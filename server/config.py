@@ -1,0 +1,354 @@
+"""``config.yaml`` (R6.1) and the ``serve`` flags that write the same canonical config (R6.2).
+
+The file and the flags are one resource: :func:`apply_flags` turns ``MODEL --platform -dp
+--device-ids --threads ...`` into edits of a :class:`Config`, and ``vllm-srun config show``
+prints the result. Errors name the key (``global.model_catalog.deployments.primary.replicas[1]
+.device: ...``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from runtime.errors import ConfigError
+
+DEFAULT_DEPLOYMENT = "primary"
+_DEVICE = re.compile(r"^(cpu|cuda|rocm)(?::(\d{1,3}))?$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Positive = Annotated[int, Field(ge=1, strict=True)]
+
+
+class EngineConfig(_Strict):
+    """Engine arguments; batch limits left unset are calibrated per worker (R3.2)."""
+
+    num_threads: Positive | None = None
+    max_num_seqs: Positive | None = None
+    max_num_batched_tokens: Positive | None = None
+    timeout_ms: Positive = 30_000
+    cache_entries: Annotated[int, Field(ge=0, strict=True)] = 4096
+
+
+class OutlierConfig(_Strict):
+    consecutive_timeouts: Annotated[int, Field(ge=0, strict=True)] = 3
+    base_ejection_ms: Positive = 30_000
+    max_ejection_ms: Annotated[int, Field(ge=1, le=3_600_000, strict=True)] | None = None
+    max_ejection_percent: Annotated[int, Field(ge=0, le=100, strict=True)] = 50
+
+
+def parse_device(text: str) -> tuple[str, int | None]:
+    """``cpu`` | ``cuda:N`` | ``rocm:N`` -> (platform, index). GPU indices are the ordinals of
+    the devices this process can see (``CUDA_VISIBLE_DEVICES`` / the Kubernetes device
+    plugin's allocation), never host ids."""
+    m = _DEVICE.match(text)
+    if not m:
+        raise ValueError(f"device must be 'cpu', 'cuda:N' or 'rocm:N', got {text!r}")
+    platform, index = m.group(1), m.group(2)
+    if platform == "cpu" and index is not None:
+        raise ValueError(f"device 'cpu' takes no index, got {text!r}")
+    if platform != "cpu" and index is None:
+        raise ValueError(f"device {text!r} needs an index ({platform}:0)")
+    return platform, None if index is None else int(index)
+
+
+def _check_endpoint(url: str) -> str:
+    if not re.match(r"^https?://[^\s/]+(/\S*)?$", url):
+        raise ValueError(f"endpoint must be an http(s) URL, got {url!r}")
+    return url.rstrip("/")
+
+
+class ReplicaConfig(_Strict):
+    device: str | None = None
+    endpoint: str | None = None
+    model: str | None = None
+
+    _endpoint = field_validator("endpoint")(lambda v: None if v is None else _check_endpoint(v))
+
+    @model_validator(mode="after")
+    def _one_placement(self):
+        if (self.device is None) == (self.endpoint is None):
+            raise ValueError("a replica needs exactly one of device or endpoint")
+        if self.device is not None:
+            parse_device(self.device)
+            if self.model is not None:
+                raise ValueError("model names an attached replica's served model; "
+                                 "a managed replica serves the deployment's artifact")
+        else:
+            if not self.model:
+                raise ValueError("an attached replica (endpoint) needs its own model")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    provider: Literal["model_runtime"] = "model_runtime"
+    artifact: str
+    backend: Literal["onnxruntime", "torch"] | None = None
+    device: str | None = None
+    endpoint: str | None = None
+    model: str | None = None
+    replicas: list[ReplicaConfig] | None = None
+
+    _endpoint = field_validator("endpoint")(lambda v: None if v is None else _check_endpoint(v))
+    engine: EngineConfig = EngineConfig()
+    outlier_detection: OutlierConfig = OutlierConfig()
+
+    @model_validator(mode="after")
+    def _placement(self):
+        if self.replicas is not None:
+            if self.device is not None or self.endpoint is not None:
+                raise ValueError("replicas cannot be combined with deployment-level device or "
+                                 "endpoint")
+            if not self.replicas:
+                raise ValueError("replicas must not be empty (omit it for one worker)")
+            if self.model is not None:
+                raise ValueError("model belongs to an attached replica, not the deployment")
+        elif self.endpoint is not None or self.device is not None or self.model is not None:
+            ReplicaConfig(device=self.device, endpoint=self.endpoint, model=self.model)
+        return self
+
+    def placements(self) -> list[ReplicaConfig]:
+        """The replicas, with the one-worker shorthand spelled out."""
+        if self.replicas is not None:
+            return list(self.replicas)
+        if self.endpoint is not None:
+            return [ReplicaConfig(endpoint=self.endpoint, model=self.model)]
+        return [ReplicaConfig(device=self.device or "cpu")]
+
+    @property
+    def shorthand(self) -> bool:
+        return self.replicas is None
+
+
+class RouterConfig(_Strict):
+    enabled: bool = False
+
+    @model_validator(mode="after")
+    def _no_router(self):
+        if self.enabled:
+            raise ValueError("this runtime has no semantic router; set enabled: false")
+        return self
+
+
+class CatalogConfig(_Strict):
+    deployments: dict[str, DeploymentConfig]
+
+    @model_validator(mode="after")
+    def _names(self):
+        if not self.deployments:
+            raise ValueError("deployments must name at least one deployment")
+        for name in self.deployments:
+            if not _NAME.match(name):
+                raise ValueError(f"deployment name {name!r} must be 1-63 characters of "
+                                 "letters, digits, '.', '_' or '-'")
+        return self
+
+
+class BindingConfig(_Strict):
+    deployment: str
+
+
+class SystemConfig(_Strict):
+    decision_model: BindingConfig | None = None
+
+
+class GlobalConfig(_Strict):
+    router: RouterConfig = RouterConfig()
+    model_catalog: CatalogConfig
+    system: SystemConfig = SystemConfig()
+
+    @model_validator(mode="after")
+    def _binding(self):
+        bound = self.system.decision_model
+        if bound is not None and bound.deployment not in self.model_catalog.deployments:
+            raise ValueError(f"system.decision_model.deployment names {bound.deployment!r}, "
+                             f"not one of {sorted(self.model_catalog.deployments)}")
+        return self
+
+
+class Config(_Strict):
+    global_: GlobalConfig = Field(alias="global")
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @property
+    def deployments(self) -> dict[str, DeploymentConfig]:
+        return self.global_.model_catalog.deployments
+
+    @property
+    def bound(self) -> str:
+        """The deployment that serves requests naming no model."""
+        b = self.global_.system.decision_model
+        return b.deployment if b is not None else next(iter(self.deployments))
+
+    def to_yaml(self) -> str:
+        data = self.model_dump(by_alias=True, exclude_none=True, exclude_defaults=False)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def _key_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part).startswith(("function-", "literal[", "constrained-")):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "config"
+
+
+def validate(data: object, source: str = "config") -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping with a 'global' key")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = _key_path(tuple(err["loc"]))
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        raise ConfigError(f"{source}: {key}: {msg}") from None
+
+
+def load(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read --config {p}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return validate(data, str(p))
+
+
+def single(artifact: str, backend: str | None = None, engine: EngineConfig | None = None,
+           replicas: list[ReplicaConfig] | None = None) -> Config:
+    dep = DeploymentConfig(artifact=artifact, backend=backend, replicas=replicas,
+                           engine=engine or EngineConfig())
+    return validate({"global": {"router": {"enabled": False},
+                                "model_catalog": {"deployments": {
+                                    DEFAULT_DEPLOYMENT: dep.model_dump(exclude_none=True)}},
+                                "system": {"decision_model":
+                                           {"deployment": DEFAULT_DEPLOYMENT}}}})
+
+
+def _edit(config: Config, name: str, **changes) -> Config:
+    data = config.model_dump(by_alias=True, exclude_none=True)
+    data["global"]["model_catalog"]["deployments"][name].update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        data["global"]["model_catalog"]["deployments"][name].pop(key)
+    return validate(data, "flags")
+
+
+def apply_flags(config: Config | None, *, model: str | None, backend: str | None,
+                platform: str | None, dp: int | None, device_ids: list[int] | None,
+                engine: dict[str, int], available: dict[str, int]) -> Config:
+    """Write the ``serve`` flags into the canonical config (R6.2).
+
+    - Only MODEL: the bound deployment's artifact changes; replicas and engine arguments stay.
+    - ``-dp N`` with device ids: N workers spread over the ids in order (repeating an id
+      starts several workers on one device).
+    - ``-dp N`` on a GPU platform without ids, for a new placement: the first N available
+      devices; too few is refused. An existing placement resizes in its declared order.
+    - ``available`` maps platform -> visible device count (cpu: any number).
+    """
+    if config is None:
+        from runtime.artifact import DEFAULT_MODEL
+
+        config = single(model or DEFAULT_MODEL, backend)
+    elif model is not None:
+        config = _edit(config, config.bound, artifact=model)
+    name = config.bound
+    dep = config.deployments[name]
+    if backend is not None and dep.backend != backend:
+        config = _edit(config, name, backend=backend)
+    if engine:
+        merged = {**dep.engine.model_dump(exclude_none=True), **engine}
+        config = _edit(config, name, engine=merged)
+    if dp is None and platform is None and device_ids is None:
+        return config
+    dep = config.deployments[name]
+    current = dep.placements()
+    current_platform = parse_device(current[0].device)[0] if current[0].device else None
+    platform = platform or (current_platform or "cpu")
+    if device_ids is not None and platform == "cpu":
+        raise ConfigError("--device-ids applies to --platform cuda or rocm")
+    if dp is None:
+        dp = len(device_ids) if device_ids else len(current)
+    same_platform = all(r.device and parse_device(r.device)[0] == platform for r in current)
+    if platform == "cpu":
+        devices = ["cpu"] * dp
+    elif device_ids is not None:
+        devices = [f"{platform}:{device_ids[i % len(device_ids)]}" for i in range(dp)]
+    elif same_platform and not dep.shorthand:
+        declared = [r.device for r in current]
+        devices = [declared[i % len(declared)] for i in range(dp)]  # declared order
+    else:
+        have = available.get(platform, 0)
+        if have < dp:
+            raise ConfigError(f"-dp {dp} on --platform {platform} needs {dp} devices; "
+                              f"{have} available (pass --device-ids to repeat a device)")
+        devices = [f"{platform}:{i}" for i in range(dp)]
+    for d in devices:
+        _, index = parse_device(d)
+        if index is not None and index >= available.get(platform, 0):
+            raise ConfigError(f"device {d} is not available: {available.get(platform, 0)} "
+                              f"{platform} device(s) visible")
+    replicas = [{"device": d} for d in devices]
+    data = config.model_dump(by_alias=True, exclude_none=True)
+    entry = data["global"]["model_catalog"]["deployments"][name]
+    entry.pop("device", None)
+    entry.pop("endpoint", None)
+    entry.pop("model", None)
+    entry["replicas"] = replicas
+    return validate(data, "flags")
+
+
+def visible_devices() -> dict[str, int]:
+    """Devices this process can see, by platform (GPU indices are allocation ordinals)."""
+    out = {"cpu": 1}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            platform = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+            out[platform] = torch.cuda.device_count()
+    except Exception:  # a broken GPU stack means no GPUs, not a crash
+        pass
+    return out
+
+
+def check_placement(config: Config, available: dict[str, int]) -> None:
+    """Refuse placements on devices this machine does not have, naming the key."""
+    for name, dep in config.deployments.items():
+        for i, r in enumerate(dep.placements()):
+            if r.device is None:
+                continue
+            platform, index = parse_device(r.device)
+            if platform == "cpu":
+                continue
+            have = available.get(platform, 0)
+            if index >= have:
+                key = (f"global.model_catalog.deployments.{name}."
+                       + (f"replicas[{i}].device" if not dep.shorthand else "device"))
+                raise ConfigError(f"{key}: {r.device} is not available on this machine "
+                                  f"({have} {platform} device(s) visible)")

@@ -1,0 +1,191 @@
+"""A managed worker process (R5.1, R5.9, R7.3): one replica's own copy of the weights, its
+engine, cache and (on the CPU) adaptive threads, serving the worker API on a Unix socket in a
+directory only the owner can open.
+
+    python -m server.worker --socket DIR/w0.sock --spec '{"model": ..., ...}'
+
+Worker API (the pool is its only client):
+
+- ``GET /health``: 503 while loading; then ``{"status": "ok", "limits": {...}, ...}`` with the
+  batch limits this worker runs with (calibrated where the deployment left them unset). It
+  is answered by the event loop, so a worker whose forward hangs still answers it; that is why
+  the pool also counts timeouts (R5.6).
+- ``POST /work``: ``{"texts": [...], "truncate": bool, "timeout_ms": int}`` ->
+  ``application/octet-stream`` float32 rows, with ``x-rows``, ``x-dim``, ``x-tokens``
+  headers; errors are R7.2 JSON bodies with their status.
+- ``GET /threads``: this worker's adaptive-threads report.
+
+Fault injection (tests and bench only): when ``VLLM_SRUN_WORKER_FAULTS`` names a folder, every
+forward first reads ``FOLDER/<replica id>`` (else ``FOLDER/all``): ``hang`` blocks the forward
+while the file says so, ``slow MS`` sleeps MS milliseconds first, ``exit`` ends the process
+mid-forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+import orjson
+
+FAULTS_ENV = "VLLM_SRUN_WORKER_FAULTS"
+log = logging.getLogger("vllm_srun.worker")
+
+
+def _read_fault(paths: list[str]) -> str:
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                if text := f.read().strip():
+                    return text
+        except OSError:
+            pass
+    return ""
+
+
+def inject_faults(backend, folder: str, replica_id: str):
+    """Wrap ``backend.forward`` with the faults named in ``folder`` (read at every forward)."""
+    forward = backend.forward
+    paths = [os.path.join(folder, replica_id), os.path.join(folder, "all")]
+
+    def faulty(batch, num_threads):
+        fault = _read_fault(paths)
+        while fault == "hang":
+            time.sleep(0.05)
+            fault = _read_fault(paths)
+        if fault.startswith("slow "):
+            time.sleep(int(fault.split()[1]) / 1000)
+        elif fault == "exit":
+            os._exit(17)
+        return forward(batch, num_threads)
+
+    backend.forward = faulty
+    return backend
+
+
+def build_spec(raw: dict):
+    from runtime.types import EngineArgs
+    from server.deployment import DeploymentSpec
+    from tuner.modes import AdaptiveMode
+
+    args = EngineArgs(**raw["args"])
+    return DeploymentSpec(model=raw["model"], backend=raw["backend"], args=args,
+                          budget=raw["budget"], mode=AdaptiveMode(raw["mode"]),
+                          max_threads=raw.get("max_threads"), record_path=raw.get("record"),
+                          device=raw["device"], set_max_num_seqs=raw.get("max_num_seqs"),
+                          set_max_num_batched_tokens=raw.get("max_num_batched_tokens"),
+                          calibrate=True)
+
+
+def create_worker_app(deployment, state: dict):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from runtime.errors import RuntimeFault
+    from server.bridge import fault_status, run
+    from server.schemas import error_body
+
+    def error(status: int, code: str, message: str) -> Response:
+        return Response(orjson.dumps(error_body(code, message)), status,
+                        media_type="application/json")
+
+    async def health(_request: Request) -> Response:
+        runner = state.get("runner")
+        if runner is None or not runner.ready:
+            return error(503, "not_ready", state.get("reason", "loading"))
+        a = runner.args
+        return Response(orjson.dumps({
+            "status": "ok", "model": runner.manifest.name, "revision": runner.manifest.revision,
+            "device": deployment.spec.device, "pid": os.getpid(), "num_threads": a.num_threads,
+            "limits": {"max_num_seqs": a.max_num_seqs,
+                       "max_num_batched_tokens": a.max_num_batched_tokens}}),
+            media_type="application/json")
+
+    async def work(request: Request) -> Response:
+        runner = state.get("runner")
+        if runner is None or not runner.ready:
+            return error(503, "not_ready", state.get("reason", "loading"))
+        try:
+            body = orjson.loads(await request.body())
+            texts, truncate = body["texts"], bool(body.get("truncate", False))
+            timeout_ms = int(body["timeout_ms"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            return error(400, "invalid_request", f"bad worker request: {exc}")
+        try:
+            out, tokens = await run(runner, texts, truncate, time.monotonic() + timeout_ms / 1000)
+        except RuntimeFault as exc:
+            status, code = fault_status(exc)
+            return error(status, code, str(exc))
+        out = out.astype("<f4", copy=False)
+        return Response(out.tobytes(), media_type="application/octet-stream",
+                        headers={"x-rows": str(out.shape[0]), "x-dim": str(out.shape[1]),
+                                 "x-tokens": str(tokens)})
+
+    async def threads(_request: Request) -> Response:
+        return Response(orjson.dumps(deployment.threads_report(state.get("runner"))),
+                        media_type="application/json")
+
+    return Starlette(routes=[Route("/health", health), Route("/work", work, methods=["POST"]),
+                             Route("/threads", threads)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-srun-worker")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--replica-id", default="worker")
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s worker[%(process)d] %(name)s "
+                               "%(message)s")
+    import uvicorn
+
+    from server.deployment import Deployment
+
+    spec = build_spec(json.loads(args.spec))
+    path = os.environ.get(FAULTS_ENV)
+    wrap = (lambda b: inject_faults(b, path, args.replica_id)) if path else None
+    deployment = Deployment(spec, wrap_backend=wrap)
+    state: dict = {"reason": "loading"}
+
+    def load() -> None:
+        try:
+            runner = deployment.load()
+        except Exception as exc:  # report through /health; the pool sees the exit too
+            state["reason"] = f"load failed: {exc}"
+            log.error("worker_load_failed error=%s", exc)
+            os._exit(3)
+        state["runner"] = runner
+        if not runner.ready:
+            state["reason"] = runner.not_ready_reason or "not ready"
+
+    # Bind the socket ourselves: uvicorn's own ``uds`` makes it world-writable (0666). The
+    # folder is owner-only already; the socket file is too.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o077)
+    try:
+        sock.bind(args.socket)
+    finally:
+        os.umask(old)
+    os.chmod(args.socket, 0o600)
+    sock.listen(256)
+    threading.Thread(target=load, name="worker-load", daemon=True).start()
+    config = uvicorn.Config(create_worker_app(deployment, state), log_level="warning",
+                            access_log=False, loop="uvloop", http="httptools",
+                            timeout_graceful_shutdown=5)
+    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

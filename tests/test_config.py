@@ -1,0 +1,204 @@
+"""config.yaml schema (R6.1) and the serve flags that write the same canonical config (R6.2)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from runtime.errors import ConfigError
+from server.config import apply_flags, check_placement, load, single, validate
+from tests.test_cli import run_cli
+
+# The seed's two examples, as written.
+SEED_PLACEMENT = """
+global:
+  router:
+    enabled: false
+  model_catalog:
+    deployments:
+      primary:
+        provider: model_runtime
+        artifact: vllm-sr/d3-edge
+        replicas:
+          - device: rocm:0
+          - device: rocm:1
+  system:
+    decision_model:
+      deployment: primary
+"""
+
+SEED_OUTLIER = """
+global:
+  model_catalog:
+    deployments:
+      primary:
+        provider: model_runtime
+        artifact: vllm-sr/Vela-2.0-4B
+        replicas:
+          - device: rocm:0
+          - device: rocm:1
+        outlier_detection:
+          consecutive_timeouts: 3 # default 3; 0 turns ejection off
+          base_ejection_ms: 30000 # default 30000
+          max_ejection_ms: 300000 # default ten times the base, at most an hour
+          max_ejection_percent: 50 # default 50
+"""
+
+CPU_ONLY = {"cpu": 1}
+
+
+def doc(text: str) -> dict:
+    return yaml.safe_load(text)
+
+
+@pytest.mark.parametrize("text", [SEED_PLACEMENT, SEED_OUTLIER])
+def test_seed_examples_load_as_written_and_placement_is_refused_without_the_gpus(text):
+    config = validate(doc(text))
+    dep = config.deployments["primary"]
+    assert [r.device for r in dep.placements()] == ["rocm:0", "rocm:1"]
+    assert config.bound == "primary"
+    with pytest.raises(ConfigError, match=r"deployments\.primary\.replicas\[0\]\.device: "
+                                          r"rocm:0 is not available on this machine"):
+        check_placement(config, CPU_ONLY)
+    check_placement(config, {"cpu": 1, "rocm": 2})  # a machine with two ROCm GPUs
+
+
+def test_seed_outlier_fields_are_read():
+    o = validate(doc(SEED_OUTLIER)).deployments["primary"].outlier_detection
+    assert (o.consecutive_timeouts, o.base_ejection_ms, o.max_ejection_ms,
+            o.max_ejection_percent) == (3, 30000, 300000, 50)
+
+
+def _with(path: list, value, base: str = SEED_PLACEMENT) -> dict:
+    data = doc(base)
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return data
+
+
+DEP = ["global", "model_catalog", "deployments", "primary"]
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (DEP + ["replicas"], [{"device": "tpu:0"}],
+     r"deployments\.primary\.replicas\[0\]: device must be 'cpu', 'cuda:N' or 'rocm:N'"),
+    (DEP + ["replicas"], [{"device": "cuda"}], r"replicas\[0\]: .*needs an index"),
+    (DEP + ["replicas"], [{"endpoint": "http://10.0.0.1:8000"}],
+     r"replicas\[0\]: an attached replica \(endpoint\) needs its own model"),
+    (DEP + ["replicas"], [{"endpoint": "ftp://x", "model": "m"}],
+     r"replicas\[0\]\.endpoint: endpoint must be an http\(s\) URL"),
+    (DEP + ["replicas"], [{"device": "cpu", "gpu": 1}], r"replicas\[0\]\.gpu: unknown key"),
+    (DEP + ["replicas"], [], r"deployments\.primary: replicas must not be empty"),
+    (DEP + ["device"], "cpu",
+     r"deployments\.primary: replicas cannot be combined with deployment-level device"),
+    (DEP + ["provider"], "openai", r"deployments\.primary\.provider: "),
+    (DEP + ["colour"], "blue", r"deployments\.primary\.colour: unknown key"),
+    (DEP + ["engine"], {"max_num_seqs": 0}, r"engine\.max_num_seqs: .*greater than or equal"),
+    (DEP + ["engine"], {"max_num_seqs": "8"}, r"engine\.max_num_seqs: "),
+    (DEP + ["outlier_detection"], {"max_ejection_percent": 101},
+     r"outlier_detection\.max_ejection_percent: "),
+    (DEP + ["outlier_detection"], {"max_ejection_ms": 7_200_000},
+     r"outlier_detection\.max_ejection_ms: "),
+    (["global", "router", "enabled"], True, r"global\.router: this runtime has no semantic "
+                                             r"router"),
+    (["global", "system", "decision_model", "deployment"], "other",
+     r"decision_model\.deployment names 'other'"),
+    (["global", "extra"], 1, r"global\.extra: unknown key"),
+])
+def test_bad_values_name_the_key(path, value, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_with(path, value))
+
+
+def test_bad_documents_are_refused_clearly(tmp_path):
+    for text, message in [("[1, 2]", "top level must be a mapping"),
+                          ("global: [", "not valid YAML"),
+                          ("{}", "global: Field required")]:
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load(path)
+    with pytest.raises(ConfigError, match="cannot read --config"):
+        load(tmp_path / "missing.yaml")
+
+
+def test_one_worker_shorthand_and_attached_shorthand():
+    config = validate({"global": {"model_catalog": {"deployments": {
+        "a": {"artifact": "all-MiniLM-L6-v2"},
+        "b": {"artifact": "x", "endpoint": "http://127.0.0.1:9/", "model": "served-x"}}}}})
+    a, b = config.deployments["a"], config.deployments["b"]
+    assert a.shorthand and [r.device for r in a.placements()] == ["cpu"]
+    (attached,) = b.placements()
+    assert attached.endpoint == "http://127.0.0.1:9" and attached.model == "served-x"
+    assert config.bound == "a"  # no binding: the first deployment
+
+
+def flags(config=None, **kw):
+    base = dict(model=None, backend=None, platform=None, dp=None, device_ids=None, engine={},
+                available=CPU_ONLY)
+    return apply_flags(config, **{**base, **kw})
+
+
+def test_only_model_keeps_replicas_and_engine_arguments():
+    config = validate(_with(DEP + ["engine"], {"max_num_seqs": 8}))
+    out = flags(config, model="all-MiniLM-L6-v2")
+    dep = out.deployments["primary"]
+    assert dep.artifact == "all-MiniLM-L6-v2"
+    assert [r.device for r in dep.placements()] == ["rocm:0", "rocm:1"]
+    assert dep.engine.max_num_seqs == 8
+
+
+def test_dp_resizes_existing_placements_in_declared_order():
+    config = validate(doc(SEED_PLACEMENT))
+    gpus = {"cpu": 1, "rocm": 2}
+    assert [r.device for r in flags(config, dp=3, available=gpus)
+            .deployments["primary"].placements()] == ["rocm:0", "rocm:1", "rocm:0"]
+    assert [r.device for r in flags(config, dp=1, available=gpus)
+            .deployments["primary"].placements()] == ["rocm:0"]
+
+
+def test_dp_on_a_new_gpu_placement_takes_the_first_n_and_refuses_too_few():
+    out = flags(None, platform="cuda", dp=2, available={"cpu": 1, "cuda": 4})
+    assert [r.device for r in out.deployments["primary"].placements()] == ["cuda:0", "cuda:1"]
+    with pytest.raises(ConfigError, match="-dp 3 on --platform cuda needs 3 devices; 2 "
+                                          "available"):
+        flags(None, platform="cuda", dp=3, available={"cpu": 1, "cuda": 2})
+
+
+def test_device_ids_spread_in_order_and_repeat():
+    gpus = {"cpu": 1, "rocm": 2}
+    one = flags(None, platform="rocm", dp=2, device_ids=[0], available=gpus)
+    assert [r.device for r in one.deployments["primary"].placements()] == ["rocm:0", "rocm:0"]
+    two = flags(None, platform="rocm", dp=2, device_ids=[0, 1], available=gpus)
+    assert [r.device for r in two.deployments["primary"].placements()] == ["rocm:0", "rocm:1"]
+    with pytest.raises(ConfigError, match="device rocm:5 is not available"):
+        flags(None, platform="rocm", dp=1, device_ids=[5], available=gpus)
+    with pytest.raises(ConfigError, match="--device-ids applies to --platform cuda or rocm"):
+        flags(None, platform="cpu", dp=1, device_ids=[0])
+
+
+def test_flags_write_the_same_canonical_config_the_file_holds(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(flags(None, dp=2, engine={"num_threads": 1, "max_num_seqs": 16}).to_yaml())
+    shown = run_cli("config", "show", "--config", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert validate(yaml.safe_load(shown.stdout)) == load(path)
+    from_flags = run_cli("config", "show", "-dp", "2", "--threads", "1", "--max-num-seqs", "16")
+    assert from_flags.stdout == shown.stdout  # flags and file: one resource
+    bad = run_cli("config", "show", "--device-ids", "0,x")
+    assert bad.returncode == 2 and "--device-ids must be comma-separated integers" in bad.stderr
+
+
+def test_serve_refuses_a_placement_this_machine_cannot_hold(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(SEED_PLACEMENT)
+    out = run_cli("serve", "--config", str(path), "--port", "0")
+    assert out.returncode == 2
+    assert "replicas[0].device: rocm:0 is not available on this machine" in out.stderr
+
+
+def test_single_builds_a_bound_shorthand():
+    config = single("all-MiniLM-L6-v2")
+    assert config.bound == "primary" and config.deployments["primary"].shorthand

@@ -1,0 +1,357 @@
+"""The replica pool with real worker processes and real faults (R5.1-R5.10, R6.1, R7.3).
+
+Faults are injected into real workers through ``VLLM_SRUN_WORKER_FAULTS`` (a folder: the
+file named after a replica makes its forward ``hang`` or ``slow MS``) or by signalling the
+worker process. Nothing of the pool is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import L6, Server
+
+ALL_OK_FRACTION = 0.99
+
+
+def write_config(path: Path, deployments: dict, bound: str | None = None) -> Path:
+    doc = {"global": {"router": {"enabled": False},
+                      "model_catalog": {"deployments": deployments}}}
+    if bound:
+        doc["global"]["system"] = {"decision_model": {"deployment": bound}}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def cpu_deployment(n: int, timeout_ms: int = 10_000, base_ejection_ms: int = 30_000,
+                   **engine) -> dict:
+    return {"provider": "model_runtime", "artifact": L6,
+            "replicas": [{"device": "cpu"}] * n,
+            "engine": {"num_threads": 1, "max_num_seqs": 32, "timeout_ms": timeout_ms,
+                       **engine},
+            "outlier_detection": {"consecutive_timeouts": 3,
+                                  "base_ejection_ms": base_ejection_ms}}
+
+
+class PoolServer(Server):
+    def __init__(self, tmp_path: Path, deployments: dict, bound: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.faults = tmp_path / "faults"
+        self.faults.mkdir(exist_ok=True)
+        self.config_path = write_config(tmp_path / "config.yaml", deployments, bound)
+        super().__init__("--config", str(self.config_path),
+                         env={"VLLM_SRUN_WORKER_FAULTS": str(self.faults), **(env or {})})
+
+    def fault(self, replica: str, what: str | None) -> None:
+        path = self.faults / replica
+        if what is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(what)
+
+    def inventory(self) -> dict:
+        return self.client.get("/v1/inventory").json()
+
+    def replicas(self, deployment: str = "primary") -> dict[str, dict]:
+        dep = next(d for d in self.inventory()["deployments"] if d["name"] == deployment)
+        return {r["id"]: r for r in dep["replicas"]}
+
+    def events(self, kind: str, replica: str | None = None) -> list[dict]:
+        return [e for e in self.inventory()["events"]
+                if e["event"] == kind and (replica is None or e["replica"] == replica)]
+
+    def wait_for(self, predicate, timeout_s: float = 60, what: str = "condition"):
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if value := predicate():
+                return value
+            time.sleep(0.1)
+        raise TimeoutError(f"{what} did not happen; inventory: {self.inventory()}")
+
+    def wait_all_ready(self, deployment: str = "primary", n: int | None = None) -> None:
+        def done():
+            reps = self.replicas(deployment)
+            return (n is None or len(reps) == n) and all(
+                r["state"] == "ready" for r in reps.values())
+        self.wait_for(done, 120, f"{deployment} all ready")
+
+    def reload(self, deployments: dict, bound: str | None = None) -> None:
+        write_config(self.config_path, deployments, bound)
+        self.proc.send_signal(signal.SIGHUP)
+
+
+def fire(url: str, texts: list[str], concurrency: int, timeout_ms: int | None = None,
+         model: str | None = None, during=None) -> list[tuple[int, float, dict]]:
+    """Send one request per text with ``concurrency`` in flight; (status, seconds, body)."""
+    async def main():
+        sem = asyncio.Semaphore(concurrency)
+        headers = {"x-request-timeout-ms": str(timeout_ms)} if timeout_ms else {}
+        limits = httpx.Limits(max_connections=concurrency + 8)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+            async def one(text):
+                async with sem:
+                    start = time.monotonic()
+                    body = {"input": text, **({"model": model} if model else {})}
+                    r = await client.post("/v1/embeddings", json=body, headers=headers)
+                    return r.status_code, time.monotonic() - start, r.json() | {
+                        "_headers": dict(r.headers)}
+            tasks = [asyncio.create_task(one(t)) for t in texts]
+            if during is not None:
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(during)
+            return await asyncio.gather(*tasks)
+    return asyncio.run(main())
+
+
+def texts(n: int, tag: str) -> list[str]:
+    """Distinct short texts (distinct so that worker caches do not answer them)."""
+    return [f"{tag} request number {i} about replicas" for i in range(n)]
+
+
+def ok_fraction(results) -> float:
+    return sum(1 for s, _, _ in results if s == 200) / len(results)
+
+
+@pytest.fixture
+def three(tmp_path):
+    server = PoolServer(tmp_path, {"primary": cpu_deployment(3, timeout_ms=800,
+                                                             base_ejection_ms=3000)})
+    server.wait_ready()
+    server.wait_all_ready(n=3)
+    yield server
+    server.close()
+
+
+def test_hung_forward_with_health_ok_is_ejected_and_traffic_survives(three):
+    """A worker whose forward hangs while /health answers (the Ray Serve failure): timeouts
+    eject it, >= 99% of requests are answered, and it returns after the cool-down."""
+    three.fault("primary-1", "hang")
+    results = fire(three.url, texts(400, "hang"), concurrency=6)
+    assert ok_fraction(results) >= ALL_OK_FRACTION, [r[:2] for r in results if r[0] != 200]
+    assert {s for s, _, _ in results} <= {200, 504}
+    assert three.replicas()["primary-1"]["state"] == "ejected"
+    (ejected,) = three.events("replica_ejected", "primary-1")
+    assert ejected["ejection_ms"] == 3000 and "consecutive timeouts" in ejected["reason"]
+    assert any(e["reason"] == "health ok" for e in three.events("replica_probed", "primary-1"))
+    metrics = three.client.get("/metrics").text
+    assert 'vllm_srun_replica_ejections_total{deployment="primary",replica="primary-1"} 1.0' \
+        in metrics
+    assert 'vllm_srun_replica_state{deployment="primary",replica="primary-1",state="ejected"}' \
+        in metrics
+    assert all(r["state"] == "ready" for k, r in three.replicas().items() if k != "primary-1")
+
+    three.fault("primary-1", None)
+    three.wait_for(lambda: three.events("replica_readmitted", "primary-1"), 10,
+                   "readmission after the cool-down")
+    assert three.events("replica_readmitted", "primary-1")[0]["reason"] == "cool-down ended"
+    results = fire(three.url, texts(60, "after"), concurrency=6)
+    assert ok_fraction(results) == 1.0
+    assert 'vllm_srun_replica_readmissions_total{deployment="primary",replica="primary-1"}' \
+        in three.client.get("/metrics").text
+
+
+def test_sigkill_mid_request_fails_promptly_and_the_worker_restarts(three):
+    three.fault("primary-0", "slow 3000")
+    victim = three.replicas()["primary-0"]["pid"]
+    killed_at: list[float] = []
+
+    def kill():
+        time.sleep(0.2)
+        killed_at.append(time.monotonic())
+        os.kill(victim, signal.SIGKILL)
+
+    start = time.monotonic()
+    results = fire(three.url, texts(300, "kill"), concurrency=6, during=kill)
+    failed = [r for r in results if r[0] != 200]
+    assert ok_fraction(results) >= ALL_OK_FRACTION, [r[:2] for r in failed]
+    for status, elapsed, body in failed:  # answered at once with a clear error, never hung
+        assert status == 503 and body["error"]["code"] == "replica_failed"
+        assert "primary-0" in body["error"]["message"]
+        assert start + elapsed - killed_at[0] < 1.0
+    three.fault("primary-0", None)
+    three.wait_for(lambda: three.replicas()["primary-0"]["restarts"] == 1
+                   and three.replicas()["primary-0"]["state"] == "ready", 60, "restart")
+    assert three.replicas()["primary-0"]["pid"] != victim
+    assert three.events("replica_failed", "primary-0")
+    assert ok_fraction(fire(three.url, texts(30, "again"), concurrency=3)) == 1.0
+    assert 'vllm_srun_replica_restarts{deployment="primary",replica="primary-0"} 1.0' in \
+        three.client.get("/metrics").text
+
+
+def test_sigstop_stays_out_of_dispatch_and_sigcont_recovers(three):
+    """A stopped worker answers neither requests nor /health: its first timeout backs it off
+    and its probes keep failing, so it stays out of dispatch until it answers again."""
+    victim = three.replicas()["primary-2"]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        results = fire(three.url, texts(300, "stop"), concurrency=6)
+        assert three.replicas()["primary-2"]["state"] in ("backoff", "ejected")
+        three.wait_for(lambda: any(e["reason"] == "health probe failed"
+                                   for e in three.events("replica_probed", "primary-2")),
+                       5, "a failed probe of the stopped worker")
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    assert ok_fraction(results) >= ALL_OK_FRACTION
+    assert {s for s, _, _ in results} <= {200, 504}
+    three.wait_for(lambda: three.replicas()["primary-2"]["state"] == "ready", 15, "recovery")
+    assert ok_fraction(fire(three.url, texts(30, "cont"), concurrency=3)) == 1.0
+
+
+def test_slow_on_every_replica_keeps_them_all(three):
+    for r in ("primary-0", "primary-1", "primary-2"):
+        three.fault(r, "slow 1200")
+    results = fire(three.url, texts(24, "slow"), concurrency=6)
+    assert {s for s, _, _ in results} == {504}
+    assert not three.events("replica_ejected")
+    withheld = three.events("replica_ejection_withheld")
+    assert withheld and all("no other ready replica has answered" in e["reason"]
+                            for e in withheld)
+    assert all(r["state"] != "ejected" for r in three.replicas().values())
+    for r in ("primary-0", "primary-1", "primary-2"):
+        three.fault(r, None)
+    time.sleep(3.5)  # the slow forwards still queued in the workers finish
+    assert ok_fraction(fire(three.url, texts(30, "fast"), concurrency=3)) == 1.0
+
+
+def test_burst_over_admission_gets_429_at_once(tmp_path):
+    server = PoolServer(tmp_path, {"primary": cpu_deployment(2)})
+    try:
+        server.wait_ready()
+        server.wait_all_ready(n=2)
+        server.fault("all", "slow 500")
+        results = fire(server.url, texts(100, "burst"), concurrency=100)
+        statuses = [s for s, _, _ in results]
+        assert set(statuses) == {200, 429}
+        assert statuses.count(200) >= 64  # 32 per worker were admitted
+        for status, elapsed, body in results:
+            if status == 429:
+                assert body["error"]["code"] == "overloaded"
+                assert body["_headers"]["retry-after"] == "1"
+                assert elapsed < 0.5  # no pool queue: refused at once
+        assert 'outcome="overloaded"' in server.client.get("/metrics").text
+    finally:
+        server.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_attached_endpoints_refusing_and_incompatible(tmp_path, l6_server):
+    refused = f"http://127.0.0.1:{free_port()}"
+    deployments = {
+        "primary": {"artifact": L6, "engine": {"num_threads": 1, "max_num_seqs": 32},
+                    "replicas": [{"device": "cpu"},
+                                 {"endpoint": l6_server.url, "model": L6},
+                                 {"endpoint": refused, "model": L6}]},
+        "strict": {"artifact": L6, "engine": {"max_num_seqs": 16},
+                   "replicas": [{"endpoint": l6_server.url, "model": L6}]}}
+    server = PoolServer(tmp_path, deployments, bound="primary")
+    try:
+        server.wait_for(lambda: server.replicas()["primary-0"]["state"] == "ready"
+                        and server.replicas()["primary-1"]["state"] == "ready", 60, "ready")
+        down = server.replicas()["primary-2"]
+        assert down["state"] == "failed" and "cannot be reached" in down["reason"]
+        (strict,) = server.replicas("strict").values()
+        assert strict["state"] == "incompatible"
+        assert strict["reason"] == "reports max_num_seqs=32 (set 16)"
+        results = fire(server.url, texts(40, "attached"), concurrency=4)
+        assert ok_fraction(results) == 1.0
+        direct = l6_server.client.post("/v1/embeddings", json={"input": "attached request "
+                                                               "number 3 about replicas"})
+        pooled = next(b for s, _, b in results if True)
+        assert pooled["data"][0]["embedding"]
+        assert np.allclose(results[3][2]["data"][0]["embedding"],
+                           direct.json()["data"][0]["embedding"], atol=1e-6)
+        refused_strict = server.client.post("/v1/embeddings", json={"input": "x",
+                                                                     "model": "strict"})
+        assert refused_strict.status_code == 503
+        assert "incompatible" in refused_strict.json()["error"]["message"]
+        inv = {d["name"]: d for d in server.inventory()["deployments"]}
+        assert inv["primary"]["state"] == "degraded" and inv["primary"]["ready"] == 2
+        assert inv["strict"]["state"] == "unavailable"
+    finally:
+        server.close()
+
+
+def test_reconfiguration_keeps_identities_and_binding_changes_restart_nothing(tmp_path):
+    deployments = {"a": cpu_deployment(2), "b": cpu_deployment(1)}
+    server = PoolServer(tmp_path, deployments, bound="a")
+    try:
+        server.wait_ready()
+        server.wait_all_ready("a", 2)
+        server.wait_all_ready("b", 1)
+        pids = {r["id"]: r["pid"] for d in ("a", "b") for r in server.replicas(d).values()}
+        starts = len(server.events("replica_starting"))
+
+        server.reload(deployments, bound="b")  # bindings only
+        server.wait_for(lambda: next(d for d in server.inventory()["deployments"]
+                                     if d["name"] == "b")["bound"], 30, "binding moved")
+        assert len(server.events("replica_starting")) == starts
+        assert {r["id"]: r["pid"] for d in ("a", "b")
+                for r in server.replicas(d).values()} == pids
+
+        grown = {"a": cpu_deployment(3), "b": cpu_deployment(1)}
+        load = []
+        server.reload(grown, bound="b")
+        load = fire(server.url, texts(200, "reconf"), concurrency=4, model="a")
+        server.wait_all_ready("a", 3)
+        a = server.replicas("a")
+        assert {k: a[k]["pid"] for k in ("a-0", "a-1")} == {k: pids[k] for k in ("a-0", "a-1")}
+        assert "a-2" in a
+
+        server.reload({"a": cpu_deployment(1), "b": cpu_deployment(1)}, bound="b")
+        server.wait_for(lambda: list(server.replicas("a")) == ["a-0"], 30, "shrink")
+        assert server.replicas("a")["a-0"]["pid"] == pids["a-0"]
+        server.wait_for(lambda: len(server.events("replica_stopped")) == 2, 30, "drained")
+        assert {e["replica"] for e in server.events("replica_draining")} == {"a-1", "a-2"}
+        load += fire(server.url, texts(50, "after-shrink"), concurrency=4, model="a")
+        assert ok_fraction(load) == 1.0
+
+        (tmp_path / "config.yaml").write_text("global: {colour: blue}")
+        server.proc.send_signal(signal.SIGHUP)  # a bad config changes nothing
+        time.sleep(1)
+        assert list(server.replicas("a")) == ["a-0"]
+        assert ok_fraction(fire(server.url, texts(5, "still"), concurrency=2)) == 1.0
+    finally:
+        server.close()
+
+
+def test_seed_config_on_cpu_devices_serves_with_owner_only_sockets(tmp_path):
+    """The seed's placement example with ``cpu`` devices; VLLM_SRUN_CPU_THREADS applies per
+    worker; worker sockets live in an owner-only folder (R7.3)."""
+    from tests.test_config import SEED_PLACEMENT
+
+    text = SEED_PLACEMENT.replace("rocm:0", "cpu").replace("rocm:1", "cpu").replace(
+        "vllm-sr/d3-edge", L6)
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    server = Server("--config", str(path), env={"VLLM_SRUN_CPU_THREADS": "1"}).wait_ready()
+    try:
+        inv = PoolServer.inventory(server)
+        (dep,) = inv["deployments"]
+        assert dep["desired"] == 2
+        for r in dep["replicas"]:
+            cmdline = Path(f"/proc/{r['pid']}/cmdline").read_bytes().split(b"\0")
+            sock = Path(cmdline[cmdline.index(b"--socket") + 1].decode())
+            assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+            assert stat.S_IMODE(sock.stat().st_mode) & 0o077 == 0
+        threads = server.client.get("/v1/threads").json()["deployments"]["primary"]
+        assert {rep["configured_threads"] for rep in threads.values()} == {1}
+        body = server.client.post("/v1/embeddings", json={"input": ["a", "b"]}).json()
+        assert len(body["data"]) == 2
+    finally:
+        server.close()
