@@ -60,10 +60,11 @@ async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
 
 
 def run_load(url: str, texts: list[str], clients: int, duration_s: float,
-             model: str | None = None, think_s: float = 0.0) -> LoadResult:
+             model: str | None = None, think_s: float = 0.0,
+             extra: dict | None = None) -> LoadResult:
     """``clients`` concurrent clients, each sending one text per request (and pausing
-    ``think_s`` after each answer), for ``duration_s``."""
-    payloads = [{"input": t} for t in texts]
+    ``think_s`` after each answer), for ``duration_s``; ``extra`` joins every body."""
+    payloads = [{"input": t, **(extra or {})} for t in texts]
     return asyncio.run(_run(url, payloads, clients, duration_s, model, think_s))
 
 

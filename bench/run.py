@@ -26,6 +26,8 @@ import numpy as np
 
 from bench.corpus import texts as make_texts
 from bench.loadgen import run_load, wait_healthy
+from bench.pool import report_lines as pool_lines
+from bench.pool import run_all as run_pool
 from runtime.artifact import resolve
 from runtime.backend import load_backend
 from runtime.budget import cpu_budget
@@ -368,10 +370,12 @@ def main(argv: list[str] | None = None) -> int:
                 "server_forward_mean_ms": default.get("server_forward_mean_ms", nan),
                 "forward_p50_ms": short_fwd}
     overhead["overhead_ms"] = overhead["e2e_p50_ms"] - overhead["forward_p50_ms"]
+    pool = run_pool(args.quick)
     (out / "results.json").write_text(json.dumps(
-        {"forward": fwd, "http": http, "busy_neighbour": busy, "overhead": overhead},
-        indent=1, default=float))
+        {"forward": fwd, "http": http, "busy_neighbour": busy, "overhead": overhead,
+         "pool": pool}, indent=1, default=float))
     text = report(fwd, http, busy, levels, counts, overhead, args)
+    text += "\n".join(pool_lines(pool)) + "\n"
     (out / "report.md").write_text(text)
     print(text)
     return 0
