@@ -38,8 +38,9 @@ def test_both_backends_give_the_heads_logits(classifier_dir, expected_logits, ba
     assert np.abs(logits - expected_logits).max() < 1e-5
 
 
-def test_classify_over_http(classifier_dir, expected_logits):
-    server = Server(str(classifier_dir), "--threads", "1").wait_ready()
+@pytest.mark.parametrize("replicas", [[], ["-dp", "2"]], ids=["in-process", "two-workers"])
+def test_classify_over_http(classifier_dir, expected_logits, replicas):
+    server = Server(str(classifier_dir), "--threads", "1", *replicas).wait_ready()
     try:
         body = server.client.post("/v1/classify", json={"input": TEXTS, "top_k": 2}).json()
         emb = server.client.post("/v1/embeddings", json={"input": "x"})
