@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hmac
 import logging
 import signal
 import time
@@ -50,6 +51,32 @@ class ApiError(Exception):
 @dataclass
 class ServerOptions:
     max_body_bytes: int = 4 * 1024 * 1024
+    api_key: str | None = None  # Bearer key for /v1/* (None: open)
+
+
+class RequireApiKey:
+    """ASGI guard: every ``/v1/`` path needs ``Authorization: Bearer <key>``, compared in
+    constant time. ``/health`` (probes), ``/metrics`` (scrapes) and the OpenAPI document stay
+    open; they carry no inference and no inventory."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.expected = b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = orjson.dumps(error_body(
+                    "unauthorized", "missing or wrong API key: send 'Authorization: Bearer "
+                                    "<key>' (see --api-key / VLLM_SRUN_API_KEY)"))
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 class ServerState:
@@ -164,7 +191,14 @@ async def _infer(dep: DeploymentPool, texts: list[str], truncate: bool,
     return out, tokens, {REPLICA_HEADER: replica}
 
 
-def create_app(state: ServerState) -> FastAPI:
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The request body in the OpenAPI document (handlers parse the raw body themselves, for
+    speed and for R7.2 errors), so clients and fuzzers see the real contract."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
+def create_app(state: ServerState):
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await state.start()
@@ -200,7 +234,7 @@ def create_app(state: ServerState) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return _json(error_body(code, str(exc.detail)), exc.status_code)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingsBody))
     async def embeddings(request: Request) -> Response:
         async def work() -> Response:
             body = _parse(await _read_body(request, state.options.max_body_bytes),
@@ -228,7 +262,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
         return await handle("embeddings", work)
 
-    @app.post("/v1/classify")
+    @app.post("/v1/classify", openapi_extra=_body_schema(ClassifyBody))
     async def classify(request: Request) -> Response:
         async def work() -> Response:
             body = _parse(await _read_body(request, state.options.max_body_bytes), ClassifyBody)
@@ -305,4 +339,6 @@ def create_app(state: ServerState) -> FastAPI:
         state.ready()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if state.options.api_key:
+        return RequireApiKey(app, state.options.api_key)
     return app

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="port to bind (0 = any free)")
     serve.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"),
                        default=4 * 1024 * 1024, help="largest request body accepted")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                            "$VLLM_SRUN_API_KEY; prefer the variable: flags show in ps)")
     _add_threads_flags(serve)
     serve.add_argument("--mkl-cbwr", action="store_true",
                        help="torch backend: run with MKL_CBWR=AUTO (MKL's reproducible mode, "
@@ -190,6 +193,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     top = max_threads(budget, args.max_threads)
     _check_deployments(config)  # fail fast on a bad MODEL or limits, before binding
     dispatch_mode()
+    api_key(args.api_key)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -213,7 +217,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     state = ServerState(config, PoolOptions(budget, int(mode), top, args.record,
                                             args.log_level),
-                        ServerOptions(max_body_bytes=args.max_body_bytes), on_load_failure,
+                        ServerOptions(max_body_bytes=args.max_body_bytes,
+                                      api_key=api_key(args.api_key)), on_load_failure,
                         reload_config if args.config else None)
     uv_config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
                                http="httptools", loop="uvloop", timeout_graceful_shutdown=5)
@@ -227,6 +232,20 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
           f"{int(mode)}) on http://{shown}:{port}", flush=True)
     server.run(sockets=[sock])
     return 1 if failed else 0
+
+
+API_KEY_ENV = "VLLM_SRUN_API_KEY"
+
+
+def api_key(flag: str | None) -> str | None:
+    """The API key from --api-key, else $VLLM_SRUN_API_KEY; None when neither is set."""
+    source, key = ("--api-key", flag) if flag is not None else (API_KEY_ENV,
+                                                                os.environ.get(API_KEY_ENV))
+    if key is None or (source == API_KEY_ENV and key == ""):
+        return None
+    if len(key) < 8 or not all(33 <= ord(c) <= 126 for c in key):
+        raise ConfigError(f"{source} must be at least 8 visible ASCII characters (no spaces)")
+    return key
 
 
 def _check_deployments(config) -> None:
