@@ -17,6 +17,7 @@ class LoadResult:
     errors: int
     wall_s: float
     latencies_ms: tuple[float, ...]
+    samples: tuple[tuple[int, float], ...] = ()  # (payload index, ms) of answered requests
 
     @property
     def throughput_rps(self) -> float:
@@ -29,6 +30,7 @@ class LoadResult:
 async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
                model: str | None, think_s: float = 0.0) -> LoadResult:
     latencies: list[float] = []
+    samples: list[tuple[int, float]] = []
     errors = 0
     next_i = 0
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -38,7 +40,8 @@ async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
         async def one_client() -> None:
             nonlocal next_i, errors
             while time.perf_counter() < end:
-                body = dict(payloads[next_i % len(payloads)])
+                index = next_i % len(payloads)
+                body = dict(payloads[index])
                 next_i += 1
                 if model:
                     body["model"] = model
@@ -48,7 +51,10 @@ async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
                     ok = r.status_code == 200
                 except httpx.HTTPError:
                     ok = False
-                latencies.append((time.perf_counter() - start) * 1000)
+                ms = (time.perf_counter() - start) * 1000
+                latencies.append(ms)
+                if ok:
+                    samples.append((index, ms))
                 errors += 0 if ok else 1
                 if think_s:
                     await asyncio.sleep(think_s)
@@ -56,7 +62,7 @@ async def _run(url: str, payloads: list[dict], clients: int, duration_s: float,
         start = time.perf_counter()
         await asyncio.gather(*(one_client() for _ in range(clients)))
         wall = time.perf_counter() - start
-    return LoadResult(clients, len(latencies), errors, wall, tuple(latencies))
+    return LoadResult(clients, len(latencies), errors, wall, tuple(latencies), tuple(samples))
 
 
 def run_load(url: str, texts: list[str], clients: int, duration_s: float,

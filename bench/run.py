@@ -135,6 +135,11 @@ def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[
         return Proc([py, "-m", "bench.peers.fastapi_ort", onnx, tok, str(port), "2"],
                     f"http://127.0.0.1:{port}")
 
+    def st_fastapi():
+        port = free_port()
+        return Proc([py, "-m", "bench.peers.st_fastapi", resolve(MODEL).path, str(port), "2"],
+                    f"http://127.0.0.1:{port}", env={"HF_HUB_OFFLINE": "1"})
+
     def infinity_emb():
         port = free_port()
         return Proc([infinity, "v2", "--model-id", resolve(MODEL).path, "--engine", "torch",
@@ -150,6 +155,7 @@ def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[
         "vllm-srun adaptive mode 1 (1 thread, max 2)": ours(*adaptive, mode="1"),
         "vllm-srun adaptive mode 2 (1 thread, max 2)": ours(*adaptive, mode="2"),
         "fastapi+onnxruntime peer (2 threads)": fastapi_ort,
+        "sentence-transformers+fastapi peer (2 threads)": st_fastapi,
     }
     if infinity:
         table["infinity-emb 0.0.78 (torch)"] = infinity_emb
@@ -235,11 +241,13 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> 
             run_load(proc.url, make_texts(64, seed=99), 4, 1.0, MODEL)  # warm
             per_level = {}
             for i, clients in enumerate(levels):
-                r = run_load(proc.url, corpus[i * 4000:(i + 1) * 4000], clients, duration_s,
-                             MODEL)
+                part = corpus[i * 4000:(i + 1) * 4000]
+                r = run_load(proc.url, part, clients, duration_s, MODEL)
                 per_level[clients] = {"rps": r.throughput_rps, "p50_ms": r.pct(50),
                                       "p99_ms": r.pct(99), "requests": r.requests,
                                       "errors": r.errors}
+                if clients == 1:
+                    per_level["by_range_1_client"] = by_range(part, r.samples)
             per_level.update(round_trips(proc.url, 300 if duration_s < 5 else 1000))
             if "adaptive" in name:
                 threads = httpx.get(proc.url + "/v1/threads", timeout=10).json()
@@ -247,6 +255,49 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> 
             results[name] = per_level
         finally:
             proc.stop()
+
+
+def by_range(texts: list[str], samples) -> dict[str, dict]:
+    """Median latency (ms) and count per input-size range (padded tokens, as the tuner
+    ranges them) of the answered requests."""
+    from runtime.sizes import range_label
+    from runtime.tokenizer import Tokenizer
+
+    manifest = resolve(MODEL)
+    tok = Tokenizer(manifest.tokenizer_path, manifest.max_tokens)
+    groups: dict[str, list[float]] = {}
+    for index, ms in samples:
+        n = len(tok.encode([texts[index]], truncate=True)[0])
+        groups.setdefault(range_label(n), []).append(ms)
+    return {k: {"median_ms": float(np.median(v)), "n": len(v)} for k, v in groups.items()}
+
+
+def oracle_lines(http: dict, fixed: list[str], learned: list[str]) -> list[str]:
+    """The per-range oracle: for each range, the best fixed-count server's median at one
+    client; a server's score is oracle time / its time over the same traffic mix."""
+    ranges = [http[f]["by_range_1_client"] for f in fixed if "by_range_1_client" in
+              http.get(f, {})]
+    if len(ranges) < 2:
+        return []
+    keys = sorted(set.intersection(*(set(r) for r in ranges)), key=lambda k: int(k.split("-")[0]))
+    weight = {k: ranges[0][k]["n"] for k in keys}
+    oracle = {k: min(r[k]["median_ms"] for r in ranges) for k in keys}
+    total = sum(weight[k] * oracle[k] for k in keys)
+    out = ["", "## Learned counts against the per-range oracle (1 client, mixed sizes)", "",
+           "Oracle: for each size range, the best of the fixed-count servers "
+           f"({', '.join(fixed)}); score = oracle time / server time over the same mix "
+           "(1.00 = as fast as the oracle).", "",
+           "| server | " + " | ".join(f"{k} ms" for k in keys) + " | score |",
+           "|---|" + "---|" * (len(keys) + 1),
+           "| oracle | " + " | ".join(f"{oracle[k]:.2f}" for k in keys) + " | 1.00 |"]
+    for name in fixed + learned:
+        r = http.get(name, {}).get("by_range_1_client")
+        if not r or any(k not in r for k in keys):
+            continue
+        score = total / sum(weight[k] * r[k]["median_ms"] for k in keys)
+        out.append(f"| {name} | " + " | ".join(f"{r[k]['median_ms']:.2f}" for k in keys)
+                   + f" | {score:.2f} |")
+    return out
 
 
 def _fmt(x: float) -> str:
@@ -317,12 +368,17 @@ def report(fwd: list[dict], http: dict, busy: dict, levels: list[int], counts: l
                          f"{ours[top]['rps'] / res[top]['rps']:.2f}x, p50 at 1 client "
                          f"{ours[levels[0]]['p50_ms'] / res[levels[0]]['p50_ms']:.2f}x")
     lines += _learned_lines(http)
+    fixed = ["vllm-srun (default threads)", "vllm-srun (2 threads)"]
+    learned = [k for k in http if "adaptive" in k]
+    lines += oracle_lines(http, fixed, learned)
     if busy:
         lines += ["", "## The same with a neighbour process keeping one core busy", "",
                   "| server | " + " | ".join(f"{c} clients: req/s, p50, p99" for c in levels)
                   + " |", "|---|" + "---|" * len(levels)]
         lines += [_row(name, res, levels) for name, res in busy.items()]
         lines += _learned_lines(busy)
+        lines += oracle_lines(busy, [f"{f} + busy neighbour" for f in fixed],
+                              [k for k in busy if "adaptive" in k])
     lines += ["", "## Front-end overhead (short input, 1 client)", "",
               f"- end-to-end p50 {overhead['e2e_p50_ms']:.2f} ms, forward p50 "
               f"{overhead['forward_p50_ms']:.2f} ms (same text, same count, in-process), "
@@ -335,6 +391,41 @@ def report(fwd: list[dict], http: dict, busy: dict, levels: list[int], counts: l
               "(client, loopback and server together). Client: one blocking keep-alive "
               "connection (http.client)."]
     return "\n".join(lines) + "\n"
+
+
+def plots(out: Path, fwd: list[dict], http: dict, levels: list[int]) -> list[str]:
+    """PNG plots beside the report; returns the Markdown lines that show them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, backend in zip(axes, ("onnxruntime", "torch"), strict=True):
+        rows = [r for r in fwd if r["backend"] == backend]
+        for n in rows[0]["ms"] if rows else []:
+            ax.plot([r["tokens"] for r in rows], [np.median(r["ms"][n]) for r in rows],
+                    marker="o", label=f"{n} thread(s)")
+        ax.set(xscale="log", yscale="log", xlabel="tokens (batch 1)", ylabel="forward ms",
+               title=backend)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "forward.png", dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, res in http.items():
+        if "error" in res:
+            continue
+        axes[0].plot(levels, [res[c]["rps"] for c in levels], marker="o", label=name)
+        axes[1].plot(levels, [res[c]["p99_ms"] for c in levels], marker="o", label=name)
+    axes[0].set(xscale="log", xlabel="concurrent clients", ylabel="req/s", title="throughput")
+    axes[1].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="p99 ms",
+                title="tail latency")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "http.png", dpi=110)
+    plt.close(fig)
+    return ["", "## Plots", "", "![forward time](forward.png)", "", "![HTTP](http.png)"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         {"forward": fwd, "http": http, "busy_neighbour": busy, "overhead": overhead,
          "pool": pool}, indent=1, default=float))
     text = report(fwd, http, busy, levels, counts, overhead, args)
-    text += "\n".join(pool_lines(pool)) + "\n"
+    text += "\n".join(pool_lines(pool) + plots(out, fwd, http, levels)) + "\n"
     (out / "report.md").write_text(text)
     print(text)
     return 0
