@@ -248,7 +248,7 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> 
                                       "errors": r.errors}
                 if clients == 1:
                     per_level["by_range_1_client"] = by_range(part, r.samples)
-            per_level.update(round_trips(proc.url, 300 if duration_s < 5 else 1000))
+            per_level.update(round_trips(proc.url, 100 if duration_s < 5 else 1000))
             if "adaptive" in name:
                 threads = httpx.get(proc.url + "/v1/threads", timeout=10).json()
                 per_level["threads"] = threads["ranges"]
@@ -436,12 +436,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="path of an infinity_emb executable in its own venv")
     args = parser.parse_args(argv)
     global LEARN_S
-    LEARN_S = 6.0 if args.quick else LEARN_S
+    LEARN_S = 4.0 if args.quick else LEARN_S
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     counts = sorted({1, 2, cpu_budget()})
-    sizes = [3, 16, 64, 256] if args.quick else [3, 8, 16, 32, 64, 128, 256]
-    fwd = forward_table(sizes, counts, 5 if args.quick else 30)
+    sizes = [3, 64, 256] if args.quick else [3, 8, 16, 32, 64, 128, 256]
+    fwd = forward_table(sizes, counts, 3 if args.quick else 30)
     levels = [1, 16] if args.quick else [1, 4, 16, 64]
     record = str(out / "bench-record.sqlite")
     for suffix in ("", "-wal", "-shm"):
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, "-m", "server.cli", "threads", "verify", MODEL,
                     "--threads", "1", "--max-threads", "2", "--record", record],
                    check=True, capture_output=True)  # the voucher mode 2 needs
-    duration = 2.0 if args.quick else 8.0
+    duration = 1.5 if args.quick else 8.0
     http = http_table(levels, duration, args.infinity, record)
     busy = {} if args.quick else http_table(levels, duration, None, record, neighbour=True)
     default = http.get("vllm-srun (default threads)", {})
