@@ -390,7 +390,8 @@ class Pool:
             if failed:
                 for r in fresh:
                     await r.stop()
-                    self.accounts.pop(r.account.key, None) if r.kind != "attached" else None
+                    if r.kind != "attached":
+                        self.accounts.pop(r.account.key, None)
                 reasons = "; ".join(f"{r.id}: {r.state} ({r.reason})" for r in failed)
                 self._event("reconfiguration_refused", "-", "-", reasons)
                 raise ConfigError(f"new pool not published: {reasons}")

@@ -215,7 +215,19 @@ async def _send(replica: Replica, client: httpx.AsyncClient, path: str, payload:
                             f"{type(exc).__name__}: {exc}") from None
 
 
-class ProcessReplica(Replica):
+class HttpReplica(Replica):
+    """A replica reached over HTTP (``self.client``): probed with ``GET /health``."""
+
+    client: httpx.AsyncClient
+
+    async def probe(self) -> bool:
+        try:
+            return (await self.client.get("/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+
+class ProcessReplica(HttpReplica):
     """A managed worker process (``python -m server.worker``) on a Unix socket, supervised:
     a crash is restarted with backoff and counted (R5.9)."""
 
@@ -242,7 +254,8 @@ class ProcessReplica(Replica):
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "server.worker", "--socket", self.socket_path,
             "--spec", json.dumps(self.spec), "--replica-id", self.id,
-            "--log-level", self.log_level, stdin=asyncio.subprocess.DEVNULL)
+            "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
+            stdin=asyncio.subprocess.DEVNULL)
         self.pid = self.proc.pid
 
     async def _wait_healthy(self) -> dict | None:
@@ -295,12 +308,6 @@ class ProcessReplica(Replica):
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
 
-    async def probe(self) -> bool:
-        try:
-            return (await self.client.get("/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
-        except httpx.TransportError:
-            return False
-
     async def call(self, texts, truncate, deadline):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         payload = orjson.dumps({"texts": texts, "truncate": truncate,
@@ -318,7 +325,7 @@ class ProcessReplica(Replica):
             return {"error": f"replica {self.id} did not report: {exc}"}
 
 
-class AttachedReplica(Replica):
+class AttachedReplica(HttpReplica):
     """An endpoint the pool does not start: an OpenAI-compatible embeddings server (another
     vllm-srun, or any runtime), asked for its own ``model``. It manages its own threads.
     Limits are checked when it reports them in ``/v1/models`` (vllm-srun does)."""
@@ -363,12 +370,6 @@ class AttachedReplica(Replica):
         if self._task is not None:
             self._task.cancel()
         await self.client.aclose()
-
-    async def probe(self) -> bool:
-        try:
-            return (await self.client.get("/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
-        except httpx.TransportError:
-            return False
 
     async def call(self, texts, truncate, deadline):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))

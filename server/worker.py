@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -68,6 +69,19 @@ def inject_faults(backend, folder: str, replica_id: str):
 
     backend.forward = faulty
     return backend
+
+
+def die_with_parent(parent: int) -> None:
+    """Exit when the front end that started this worker dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG), so no worker outlives its pool."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(0)
 
 
 def build_spec(raw: dict):
@@ -143,11 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--spec", required=True)
     parser.add_argument("--replica-id", default="worker")
+    parser.add_argument("--parent-pid", type=int, default=None)
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s worker[%(process)d] %(name)s "
                                "%(message)s")
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
     import uvicorn
 
     from server.deployment import Deployment

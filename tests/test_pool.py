@@ -355,3 +355,19 @@ def test_seed_config_on_cpu_devices_serves_with_owner_only_sockets(tmp_path):
         assert len(body["data"]) == 2
     finally:
         server.close()
+
+
+def test_workers_do_not_outlive_a_killed_front_end(tmp_path):
+    server = PoolServer(tmp_path, {"primary": cpu_deployment(2)})
+    server.wait_ready()
+    server.wait_all_ready(n=2)
+    pids = [r["pid"] for r in server.replicas().values()]
+    server.proc.kill()
+    server.proc.wait()
+    end = time.monotonic() + 20
+    while time.monotonic() < end and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if Path(f"/proc/{p}/status").exists()
+             and "zombie" not in Path(f"/proc/{p}/status").read_text()]
+    server.client.close()
+    assert not alive, f"workers {alive} outlived their front end"
