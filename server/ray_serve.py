@@ -172,3 +172,31 @@ def build(model: str, threads: int = 1, num_replicas: int = 1, num_gpus: float =
             request_router_class=FewestBytesRouter)
     deployment = serve.deployment(Engine, name="vllm-srun").options(**options)
     return deployment.bind(model, backend, threads, **engine)
+
+
+def from_config(path: str, bytes_router: bool = False):
+    """The same ``config.yaml`` on Ray: the bound deployment's artifact, backend and engine
+    arguments; one Ray replica per configured replica (CPU replicas get ``num_cpus`` =
+    ``engine.num_threads``, GPU replicas one GPU each)."""
+    from server.config import load, parse_device
+
+    config = load(path)
+    dep = config.deployments[config.bound]
+    placements = dep.placements()
+    if any(r.endpoint for r in placements):
+        raise ConfigError(f"{path}: attached endpoints are not placed by Ray; list devices")
+    gpus = 1 if any(parse_device(r.device)[0] != "cpu" for r in placements) else 0
+    e = dep.engine
+    return build(dep.artifact, threads=e.num_threads or 1, num_replicas=len(placements),
+                 num_gpus=gpus, backend=dep.backend or "onnxruntime",
+                 bytes_router=bytes_router, max_num_seqs=e.max_num_seqs or 32,
+                 timeout_ms=e.timeout_ms)
+
+
+def app_builder(args: dict):
+    """``import_path: server.ray_serve:app_builder`` for ``serve run`` and KubeRay's
+    RayService: ``args`` is ``{"config": PATH}`` or ``build``'s keywords."""
+    args = dict(args)
+    if "config" in args:
+        return from_config(args.pop("config"), bool(args.pop("bytes_router", False)))
+    return build(**args)

@@ -91,3 +91,17 @@ def test_a_pod_limited_to_4_cpus_on_a_64_core_node_gets_2_threads(tmp_path):
     assert quota == 4.0
     budget = cpu_budget(affinity=64, quota=quota)
     assert (budget, default_threads(budget)) == (4, 2)
+
+
+def test_rayservice_example_uses_our_builder_and_a_config_we_accept():
+    doc = yaml.safe_load((K8S.parent / "ray" / "rayservice.yaml").read_text())
+    assert doc["kind"] == "RayService"
+    (app,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+    assert app["import_path"] == "server.ray_serve:app_builder"
+    cm_name = doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
+        "volumes"][0]["configMap"]["name"]
+    cm = next(c for c in kind("ConfigMap") if c["metadata"]["name"] == cm_name)
+    validate(yaml.safe_load(cm["data"]["config.yaml"]), cm_name)
+    for group in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        for c in group["template"]["spec"]["containers"]:
+            assert c["resources"]["requests"] == c["resources"]["limits"]

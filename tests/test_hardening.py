@@ -337,7 +337,10 @@ def test_ten_times_capacity_gets_fast_429s_and_leaks_nothing(tmp_path):
         assert set(statuses) <= {200, 429}, set(statuses)
         assert statuses.count(200) > 100 and statuses.count(429) > statuses.count(200)
         refused = sorted(t for s, t in results if s == 429)
-        assert refused[len(refused) // 2] < 0.5  # median 429 answered quickly
+        admitted = sorted(t for s, t in results if s == 200)
+        # refusals do not wait for capacity: the median 429 comes back well before the
+        # median admitted answer (relative, in one run)
+        assert refused[len(refused) // 2] < admitted[len(admitted) // 2] / 2
         assert _children(server.proc.pid) == children  # no leaked or lost processes
         assert after["threads"] <= before["threads"] + 2
         # client sockets all closed; the pool's keep-alive connections to the worker are

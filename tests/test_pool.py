@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import yaml
 
@@ -178,7 +179,8 @@ def test_sigkill_mid_request_fails_promptly_and_the_worker_restarts(three):
     for status, elapsed, body in failed:  # answered at once with a clear error, never hung
         assert status == 503 and body["error"]["code"] == "replica_failed"
         assert "primary-0" in body["error"]["message"]
-        assert start + elapsed - killed_at[0] < 1.0
+        # well before the injected 3 s forward would have answered: the crash, not a timeout
+        assert start + elapsed - killed_at[0] < 2.0
     three.fault("primary-0", None)
     three.wait_for(lambda: three.replicas()["primary-0"]["restarts"] == 1
                    and three.replicas()["primary-0"]["state"] == "ready", 60, "restart")
@@ -225,20 +227,43 @@ def test_slow_on_every_replica_keeps_them_all(three):
 
 
 def test_burst_over_admission_gets_429_at_once(tmp_path):
+    """100 requests at once on 2 workers (admission 2 x 32) whose forwards take a second: the
+    refused ones are answered before any admitted one, i.e. without waiting in a queue.
+    (Relative, in one run: no absolute timing in tests.)"""
+    from bench.rawclient import Conn
+
     server = PoolServer(tmp_path, {"primary": cpu_deployment(2)})
     try:
         server.wait_ready()
         server.wait_all_ready(n=2)
-        server.fault("all", "slow 500")
-        results = fire(server.url, texts(100, "burst"), concurrency=100)
-        statuses = [s for s, _, _ in results]
+        server.fault("all", "slow 1000")
+
+        async def burst():
+            conns = [await Conn.open(server.url) for _ in range(100)]  # opened beforehand
+            start = time.monotonic()
+
+            async def one(i, conn):
+                status, head, body = await conn.post(
+                    "/v1/embeddings", b'{"input": "burst %d"}' % i)
+                return status, time.monotonic() - start, head, body
+
+            try:
+                return await asyncio.gather(*(one(i, c) for i, c in enumerate(conns)))
+            finally:
+                for c in conns:
+                    c.close()
+
+        results = asyncio.run(burst())
+        statuses = [r[0] for r in results]
         assert set(statuses) == {200, 429}
         assert statuses.count(200) >= 64  # 32 per worker were admitted
-        for status, elapsed, body in results:
-            if status == 429:
-                assert body["error"]["code"] == "overloaded"
-                assert body["_headers"]["retry-after"] == "1"
-                assert elapsed < 0.5  # no pool queue: refused at once
+        refused = [r for r in results if r[0] == 429]
+        for _, _, head, body in refused:
+            assert orjson.loads(body)["error"]["code"] == "overloaded"
+            assert head["retry-after"] == "1"
+        slowest_refusal = max(r[1] for r in refused)
+        first_answer = min(r[1] for r in results if r[0] == 200)
+        assert slowest_refusal < first_answer, (slowest_refusal, first_answer)
         assert 'outcome="overloaded"' in server.client.get("/metrics").text
     finally:
         server.close()

@@ -31,14 +31,18 @@ def ray_app(tmp_path_factory):
     import ray
     from ray import serve
 
-    from server.ray_serve import build
-
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              _temp_dir=str(tmp_path_factory.mktemp("ray")))
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    handle = serve.run(build(L6, threads=1, num_replicas=2, bytes_router=True),
-                       name="vllm-srun", route_prefix="/")
+    from server.ray_serve import app_builder
+    from tests.test_pool import write_config
+
+    config = write_config(tmp_path_factory.mktemp("cfg") / "config.yaml", {"primary": {
+        "artifact": L6, "replicas": [{"device": "cpu"}] * 2,
+        "engine": {"num_threads": 1}}})
+    app = app_builder({"config": str(config), "bytes_router": True})  # the same config.yaml
+    handle = serve.run(app, name="vllm-srun", route_prefix="/")
     yield handle, f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
