@@ -54,6 +54,31 @@ class ServerOptions:
     api_key: str | None = None  # Bearer key for /v1/* (None: open)
 
 
+class AdmissionGate:
+    """ASGI: when every replica is full, inference requests get their 429 before FastAPI
+    reads, parses or routes them, so refusing a flood costs the front end little and the
+    admitted requests keep their share of the event loop."""
+
+    PATHS = (b"/v1/embeddings", b"/v1/classify")
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+        self.body = orjson.dumps(error_body(
+            "overloaded", "every ready replica has 32 requests in flight"))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].encode() in self.PATHS \
+                and self.state.pool.saturated():
+            self.state.metrics.requests.labels(scope["path"].rsplit("/", 1)[-1],
+                                               "overloaded").inc()
+            await send({"type": "http.response.start", "status": 429, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(self.body)).encode()), (b"retry-after", b"1")]})
+            await send({"type": "http.response.body", "body": self.body})
+            return
+        await self.app(scope, receive, send)
+
+
 class RequireApiKey:
     """ASGI guard: every ``/v1/`` path needs ``Authorization: Bearer <key>``, compared in
     constant time. ``/health`` (probes), ``/metrics`` (scrapes) and the OpenAPI document stay
@@ -339,6 +364,7 @@ def create_app(state: ServerState):
         state.ready()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    gated = AdmissionGate(app, state)
     if state.options.api_key:
-        return RequireApiKey(app, state.options.api_key)
-    return app
+        return RequireApiKey(gated, state.options.api_key)
+    return gated

@@ -478,6 +478,20 @@ class Pool:
             for d in self.deployments.values() if not d.ready_ids()]
         return (not waiting, "; ".join(waiting))
 
+    def saturated(self) -> bool:
+        """True when no deployment has a replica that could admit one more request (the
+        front end then refuses before parsing anything)."""
+        if self.config is None:
+            return False
+        for dep in self.deployments.values():
+            ready = [r for r in dep.replicas if r.state == "ready"]
+            if not ready:
+                return False  # let the handler give its 503 with the reasons
+            (tier,) = dep.policy.dispatch_tiers([r.id for r in ready])
+            if any(r.id in tier and r.account.in_flight < MAX_IN_FLIGHT for r in ready):
+                return False
+        return True
+
     def local_replica(self) -> LocalReplica | None:
         """The in-process replica of the bound deployment, if it is the shorthand."""
         if self.config is None:

@@ -108,3 +108,19 @@ def test_deployments_attaching_one_endpoint_share_one_load_account():
     a.state = b.state = "ready"
     a_pick = deployments["a"].pick(100)
     assert b.account.in_flight == 1 and a_pick.account.outstanding_bytes == 100
+
+
+def test_pool_is_saturated_only_when_no_replica_can_admit():
+    from server.config import single
+
+    pool = Pool(PoolOptions(budget=2))
+    dep = pool_of(2)
+    pool.config, pool.deployments = single("all-MiniLM-L6-v2"), {"primary": dep}
+    for _ in range(2 * MAX_IN_FLIGHT - 1):
+        dep.pick(1)
+    assert not pool.saturated()
+    dep.pick(1)
+    assert pool.saturated()  # the front end now refuses before parsing (AdmissionGate)
+    for r in dep.replicas:
+        r.state = "starting"
+    assert not pool.saturated()  # no ready replica: the handler answers 503 with reasons
