@@ -25,12 +25,21 @@ _ALIASES = {
 BUILTIN_MODELS = (_L6, _L3)
 
 
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
 def weights_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    """sha256 of the weights (first 16 hex digits), hashed once per file version in a
+    process: the CLI's checks and the pool resolve the same artifact at start-up."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()[:16]
+    return _DIGESTS[key]
 
 
 def _read_json(path: Path) -> dict:

@@ -110,7 +110,7 @@ class ServerState:
     def __init__(self, config: Config, pool_options: PoolOptions, options: ServerOptions,
                  on_load_failure: Callable[[str], None] | None = None,
                  reload_config: Callable[[], Config] | None = None) -> None:
-        self.config = config
+        self._config = config  # what start() publishes; the pool holds the current one
         self.options = options
         self.metrics = Metrics()
         self.pool = Pool(pool_options, self.metrics, on_forward=self.metrics.record_forward,
@@ -118,7 +118,7 @@ class ServerState:
         self._reload_config = reload_config
 
     async def start(self) -> None:
-        await self.pool.start(self.config)
+        await self.pool.start(self._config)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -133,7 +133,6 @@ class ServerState:
         except RuntimeFault as exc:
             log.error("reconfiguration_failed error=%s", exc)
             return None
-        self.config = config
         log.warning("reconfigured %s", summary)
         return summary
 

@@ -8,6 +8,7 @@ count timeouts and back off, and carries the R7.2 status for the caller.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import base64
 import json
@@ -53,7 +54,9 @@ class LoadAccount:
     last_assigned: int = 0
 
 
-class Replica:
+class Replica(abc.ABC):
+    """One replica behind the pool's dispatch; the kinds below implement the exchange."""
+
     kind = "replica"
 
     def __init__(self, replica_id: str, placement: str, account: LoadAccount,
@@ -97,13 +100,22 @@ class Replica:
             return False
         return self.state == "ready"
 
-    async def start(self) -> None: ...
-    async def stop(self) -> None: ...
-    async def probe(self) -> bool: ...
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Begin loading or attaching; returns at once (``settled`` waits)."""
 
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop the worker (or detach) and release its resources."""
+
+    @abc.abstractmethod
+    async def probe(self) -> bool:
+        """One health probe: True when the replica says it is ready."""
+
+    @abc.abstractmethod
     async def call(self, texts: list[str], truncate: bool,
                    deadline: float) -> tuple[np.ndarray, int]:
-        raise NotImplementedError
+        """One exchange: (rows, prompt tokens), or ExchangeError saying how it ended."""
 
     async def threads_report(self) -> dict:
         return {"notes": [f"{self.kind} replicas manage their own threads"]}
