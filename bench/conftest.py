@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.artifact import resolve
-from runtime.backend import load_backend
-from runtime.threads import ThreadContext
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.threads import ThreadContext
 
 
 @pytest.fixture(scope="session")

@@ -42,9 +42,10 @@ def _start(work: Path, replicas: int, env: dict | None = None, **engine):
 
     port = free_port()
     cfg = _config(work / f"config-{port}.yaml", replicas, **engine)
-    proc = Proc([os.sys.executable, "-m", "server.cli", "serve", "--config", str(cfg),
-                 "--port", str(port), "--log-level", "warning"], f"http://127.0.0.1:{port}",
-                env={"VLLM_SRUN_WORKER_FAULTS": str(work / "faults"), **(env or {})})
+    # faults go in through the test-only launcher (the product has no fault hooks, R9.2)
+    proc = Proc([os.sys.executable, "-m", "tests.faults", "--faults", str(work / "faults"), "serve",
+                 "--config", str(cfg), "--port", str(port), "--log-level", "warning"],
+                f"http://127.0.0.1:{port}", env=env)
     end = time.monotonic() + 120
     while time.monotonic() < end:  # every replica ready, not just the first
         inv = httpx.get(proc.url + "/v1/inventory", timeout=10).json()
@@ -147,8 +148,8 @@ def memory_case(work: Path) -> list[dict]:
     for backend in ("onnxruntime", "torch"):
         for threads, top, mode in (("1", "1", "0"), ("2", "2", "0"), ("1", "2", "1")):
             port = free_port()
-            proc = Proc([os.sys.executable, "-m", "server.cli", "serve", MODEL, "--backend",
-                         backend, "--threads", threads, "--max-threads", top, "--port",
+            proc = Proc([os.sys.executable, "-m", "vllm_srun.server.cli", "serve", MODEL,
+                         "--backend", backend, "--threads", threads, "--max-threads", top, "--port",
                          str(port), "--log-level", "warning"], f"http://127.0.0.1:{port}",
                         env={"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode,
                              "VLLM_SRUN_RECORD": str(work / f"mem-{port}.sqlite")})

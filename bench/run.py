@@ -28,12 +28,12 @@ from bench.corpus import texts as make_texts
 from bench.loadgen import run_load, wait_healthy
 from bench.pool import report_lines as pool_lines
 from bench.pool import run_all as run_pool
-from runtime.artifact import resolve
-from runtime.backend import load_backend
-from runtime.budget import cpu_budget
-from runtime.engine import pad
-from runtime.export import ensure_onnx
-from runtime.threads import ThreadContext
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.budget import cpu_budget
+from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.export import ensure_onnx
+from vllm_srun.runtime.threads import ThreadContext
 
 MODEL = "all-MiniLM-L6-v2"
 LEARN_S = 25.0  # seconds of one-client traffic an adaptive server learns from first
@@ -71,8 +71,8 @@ def forward_table(sizes: list[int], counts: list[int], repeats: int) -> list[dic
 
 def short_forward_ms(repeats: int) -> float:
     """Forward p50 of SHORT at the server's default count, onnxruntime, in-process."""
-    from runtime.budget import default_threads
-    from runtime.tokenizer import Tokenizer
+    from vllm_srun.runtime.budget import default_threads
+    from vllm_srun.runtime.tokenizer import Tokenizer
 
     manifest = resolve(MODEL)
     n = default_threads(cpu_budget())
@@ -122,7 +122,7 @@ def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[
             own = f"{record}.{port}"  # each server learns from scratch, keeping the voucher
             shutil.copy(record, own)
             env = {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode, "VLLM_SRUN_RECORD": own}
-            proc = Proc([py, "-m", "server.cli", "serve", MODEL, "--port", str(port),
+            proc = Proc([py, "-m", "vllm_srun.server.cli", "serve", MODEL, "--port", str(port),
                          "--cache-entries", "0", "--log-level", "warning", *flags],
                         f"http://127.0.0.1:{port}", env=env)
             if mode != "0":  # learn from paced traffic first (shadows run in its pauses)
@@ -260,8 +260,8 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> 
 def by_range(texts: list[str], samples) -> dict[str, dict]:
     """Median latency (ms) and count per input-size range (padded tokens, as the tuner
     ranges them) of the answered requests."""
-    from runtime.sizes import range_label
-    from runtime.tokenizer import Tokenizer
+    from vllm_srun.runtime.sizes import range_label
+    from vllm_srun.runtime.tokenizer import Tokenizer
 
     manifest = resolve(MODEL)
     tok = Tokenizer(manifest.tokenizer_path, manifest.max_tokens)
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     record = str(out / "bench-record.sqlite")
     for suffix in ("", "-wal", "-shm"):
         Path(record + suffix).unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "server.cli", "threads", "verify", MODEL,
+    subprocess.run([sys.executable, "-m", "vllm_srun.server.cli", "threads", "verify", MODEL,
                     "--threads", "1", "--max-threads", "2", "--record", record],
                    check=True, capture_output=True)  # the voucher mode 2 needs
     duration = 1.5 if args.quick else 8.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.budget import cpu_budget
-from runtime.engine import pad
+from vllm_srun.runtime.budget import cpu_budget
+from vllm_srun.runtime.engine import pad
 
 COUNTS = sorted({1, 2, cpu_budget()})
 

@@ -12,8 +12,8 @@ import importlib.metadata
 import json
 from pathlib import Path
 
-from runtime.errors import ArtifactError
-from runtime.types import Manifest, Pooling, Task
+from vllm_srun.runtime.errors import ArtifactError
+from vllm_srun.runtime.types import Manifest, Pooling, Task
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 _L6 = "all-MiniLM-L6-v2"

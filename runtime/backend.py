@@ -12,9 +12,10 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime.errors import ArtifactError, Unsupported
-from runtime.pooling import pool
-from runtime.types import BackendName, ForwardResult, Manifest, Task, TokenBatch
+from vllm_srun.runtime import device as devices
+from vllm_srun.runtime.errors import ArtifactError, Unsupported
+from vllm_srun.runtime.pooling import pool
+from vllm_srun.runtime.types import BackendName, ForwardResult, Manifest, Task, TokenBatch
 
 
 class Backend(Protocol):
@@ -94,7 +95,7 @@ class TorchBackend:
     def __init__(self, manifest: Manifest, device: str = "cpu") -> None:
         import torch
 
-        from runtime.torch_model import load_module
+        from vllm_srun.runtime.torch_model import load_module
 
         self._torch = torch
         self.manifest = manifest
@@ -121,18 +122,12 @@ class TorchBackend:
         pass
 
 
-def torch_device(device: str) -> str:
-    """A config device (``cpu``, ``cuda:N``, ``rocm:N``) as torch names it (ROCm builds of
-    torch address AMD GPUs as ``cuda``)."""
-    return "cuda" + device[4:] if device.startswith("rocm") else device
-
-
 def load_backend(manifest: Manifest, backend: BackendName | str,
                  device: str = "cpu") -> Backend:
     """Build a backend for the artifact (exporting ONNX once per revision if needed). A GPU
     device always runs torch: the onnxruntime build here is CPU-only."""
-    if device != "cpu":
-        return TorchBackend(manifest, torch_device(device))
+    if devices.is_gpu(device):
+        return TorchBackend(manifest, devices.torch_device(device))
     try:
         name = BackendName(backend)
     except ValueError:
@@ -140,6 +135,6 @@ def load_backend(manifest: Manifest, backend: BackendName | str,
                           f"got {backend!r}") from None
     if name is BackendName.TORCH:
         return TorchBackend(manifest)
-    from runtime.export import ensure_onnx
+    from vllm_srun.runtime.export import ensure_onnx
 
     return OnnxBackend(manifest, str(ensure_onnx(manifest)))

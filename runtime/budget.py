@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from runtime.errors import ConfigError
+from vllm_srun.runtime.errors import ConfigError
 
 THREADS_ENV = "VLLM_SRUN_CPU_THREADS"
 MAX_DEFAULT_THREADS = 16

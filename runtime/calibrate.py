@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from runtime.types import EngineArgs
+from vllm_srun.runtime import device as devices
+from vllm_srun.runtime.types import EngineArgs
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,10 @@ def cpu_tokens(runner, reps: int = 3) -> int:
     return min(max(_pow2_floor(rate * CPU_TARGET_S), max_tokens), CPU_CAP)
 
 
-def gpu_tokens(device: str, hidden_size: int, max_tokens: int) -> int:
-    import torch
-
-    free, _total = torch.cuda.mem_get_info(torch.device(device))
+def gpu_tokens(free_bytes: int, hidden_size: int, max_tokens: int) -> int:
+    """The GPU rule, over the free memory the device reports."""
     per_token = GPU_BYTES_PER_TOKEN_PER_HIDDEN * hidden_size
-    return min(max(_pow2_floor(free * 0.5 / per_token), max_tokens), GPU_CAP)
+    return min(max(_pow2_floor(free_bytes * 0.5 / per_token), max_tokens), GPU_CAP)
 
 
 def calibrate(runner, want_seqs: int | None, want_tokens: int | None,
@@ -60,10 +59,11 @@ def calibrate(runner, want_seqs: int | None, want_tokens: int | None,
     seqs = want_seqs if want_seqs is not None else DEFAULT_MAX_NUM_SEQS
     if want_tokens is not None:
         tokens = want_tokens
-    elif device == "cpu":
+    elif not devices.is_gpu(device):
         tokens = cpu_tokens(runner)
     else:
-        tokens = gpu_tokens(device, runner.manifest.hidden_size, runner.manifest.max_tokens)
+        tokens = gpu_tokens(devices.gpu_free_bytes(device), runner.manifest.hidden_size,
+                            runner.manifest.max_tokens)
     args = dataclasses.replace(runner.args, max_num_seqs=seqs, max_num_batched_tokens=tokens)
     runner.args = runner.engine.args = args
     log.info("limits_calibrated device=%s max_num_seqs=%d max_num_batched_tokens=%d "

@@ -25,11 +25,11 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime.backend import Backend
-from runtime.batching import PendingRow, next_batch
-from runtime.errors import DeadlineExceeded, EngineStopped, RuntimeFault
-from runtime.threads import ThreadContext, thread_context
-from runtime.types import EngineArgs, ForwardRecord, ForwardResult, TokenBatch
+from vllm_srun.runtime.backend import Backend
+from vllm_srun.runtime.batching import PendingRow, next_batch
+from vllm_srun.runtime.errors import DeadlineExceeded, EngineStopped, RuntimeFault
+from vllm_srun.runtime.threads import ThreadContext, thread_context
+from vllm_srun.runtime.types import EngineArgs, ForwardRecord, ForwardResult, TokenBatch
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import os
 import warnings
 from pathlib import Path
 
-from runtime.paths import cache_dir
-from runtime.types import Manifest
+from vllm_srun.runtime.paths import cache_dir
+from vllm_srun.runtime.types import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def ensure_onnx(manifest: Manifest) -> Path:
 def _export(manifest: Manifest, target: Path) -> None:
     import torch
 
-    from runtime.torch_model import load_module
+    from vllm_srun.runtime.torch_model import load_module
 
     log.info("onnx_export model=%s revision=%s path=%s", manifest.name, manifest.revision, target)
     module = load_module(manifest)

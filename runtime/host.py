@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from runtime.types import BackendName
+from vllm_srun.runtime.types import BackendName
 
 
 def _cpu() -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.types import Pooling
+from vllm_srun.runtime.types import Pooling
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, pooling: Pooling, normalize: bool) -> np.ndarray:

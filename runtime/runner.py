@@ -12,13 +12,13 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from runtime.artifact import resolve
-from runtime.backend import Backend, load_backend
-from runtime.cache import ResultCache
-from runtime.engine import Engine, ThreadsPolicy
-from runtime.errors import ConfigError
-from runtime.tokenizer import Tokenizer
-from runtime.types import BackendName, EngineArgs, ForwardRecord, Manifest
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import Backend, load_backend
+from vllm_srun.runtime.cache import ResultCache
+from vllm_srun.runtime.engine import Engine, ThreadsPolicy
+from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.runtime.tokenizer import Tokenizer
+from vllm_srun.runtime.types import BackendName, EngineArgs, ForwardRecord, Manifest
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from runtime.errors import ArtifactError, InputTooLong
+from vllm_srun.runtime.errors import ArtifactError, InputTooLong
 
 
 class Tokenizer:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from runtime.errors import ArtifactError, Unsupported
-from runtime.types import Manifest, Task
+from vllm_srun.runtime.errors import ArtifactError, Unsupported
+from vllm_srun.runtime.types import Manifest, Task
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

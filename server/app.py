@@ -25,14 +25,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.errors import RuntimeFault
-from runtime.types import Task
-from server.bridge import fault_status
-from server.config import Config
-from server.metrics import Metrics
-from server.pool import DeploymentPool, Pool, PoolError, PoolOptions
-from server.replicas import ExchangeError
-from server.schemas import MAX_INPUTS, ClassifyBody, EmbeddingsBody, error_body
+from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.runtime.types import Task
+from vllm_srun.server.bridge import fault_status
+from vllm_srun.server.config import Config
+from vllm_srun.server.metrics import Metrics
+from vllm_srun.server.pool import DeploymentPool, Pool, PoolError, PoolOptions
+from vllm_srun.server.replicas import ExchangeError
+from vllm_srun.server.schemas import MAX_INPUTS, ClassifyBody, EmbeddingsBody, error_body
 
 log = logging.getLogger(__name__)
 
@@ -209,9 +209,7 @@ def _deadline(request: Request) -> float | None:
 async def _infer(dep: DeploymentPool, texts: list[str], truncate: bool,
                  deadline: float | None) -> tuple[np.ndarray, int, dict[str, str]]:
     """Dispatch; returns rows, prompt tokens and the header naming the replica that answered."""
-    limit = time.monotonic() + dep.config.engine.timeout_ms / 1000
-    out, tokens, replica = await dep.infer(texts, truncate,
-                                           limit if deadline is None else min(deadline, limit))
+    out, tokens, replica = await dep.infer(texts, truncate, deadline)
     return out, tokens, {REPLICA_HEADER: replica}
 
 

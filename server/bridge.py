@@ -8,14 +8,14 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from runtime.errors import (
+from vllm_srun.runtime.errors import (
     DeadlineExceeded,
     EngineStopped,
     InputError,
     RuntimeFault,
     Unsupported,
 )
-from runtime.runner import Runner
+from vllm_srun.runtime.runner import Runner
 
 OFFLOAD_CHARS = 20_000  # tokenize bigger requests off the event loop
 

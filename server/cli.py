@@ -8,9 +8,9 @@ import os
 import socket
 import sys
 
-from runtime.artifact import BUILTIN_MODELS, DEFAULT_MODEL
-from runtime.errors import ConfigError, RuntimeFault
-from runtime.types import BackendName
+from vllm_srun.runtime.artifact import BUILTIN_MODELS, DEFAULT_MODEL
+from vllm_srun.runtime.errors import ConfigError, RuntimeFault
+from vllm_srun.runtime.types import BackendName
 
 log = logging.getLogger("vllm_srun")
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "thread counts on hosts where they otherwise drift")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
-    from server.threads_cli import add_threads_commands
+    from vllm_srun.server.threads_cli import add_threads_commands
 
     add_threads_commands(sub, _add_threads_flags)
     config = sub.add_parser("config", help="the canonical config the flags and file make")
@@ -120,7 +120,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The canonical config: the file (if any) with the flags written into it."""
-    from server.config import apply_flags, load, visible_devices
+    from vllm_srun.runtime import device
+    from vllm_srun.server.config import apply_flags, load
 
     if args.cache_entries is not None and args.cache_entries < 0:
         raise ConfigError(f"--cache-entries must be >= 0, got {args.cache_entries}")
@@ -131,11 +132,11 @@ def config_from_args(args: argparse.Namespace):
         engine["num_threads"] = args.threads
     base = load(args.config) if args.config else None
     gpu = args.platform in ("cuda", "rocm") or (base is not None and any(
-        (r.device or "cpu") != "cpu" for d in base.deployments.values()
+        device.is_gpu(r.device or "cpu") for d in base.deployments.values()
         for r in d.placements()))
     return apply_flags(base, model=args.model, backend=args.backend, platform=args.platform,
                        dp=args.dp, device_ids=args.device_ids, engine=engine,
-                       available=visible_devices() if gpu else {"cpu": 1})
+                       available=device.visible_devices() if gpu else {"cpu": 1})
 
 
 def _add_threads_flags(p: argparse.ArgumentParser) -> None:
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             sys.stdout.write(config_from_args(args).to_yaml())
             return 0
-        from server.threads_cli import run_threads
+        from vllm_srun.server.threads_cli import run_threads
 
         return run_threads(args)
     except RuntimeFault as exc:
@@ -170,22 +171,23 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
-    from runtime.budget import configured_threads, cpu_budget
-    from server.app import ServerOptions, ServerState, create_app
-    from server.config import check_placement, visible_devices
-    from server.pool import PoolOptions, dispatch_mode
-    from tuner.modes import max_threads, parse_mode
+    from vllm_srun.runtime import device
+    from vllm_srun.runtime.budget import configured_threads, cpu_budget
+    from vllm_srun.server.app import ServerOptions, ServerState, create_app
+    from vllm_srun.server.config import check_placement
+    from vllm_srun.server.pool import PoolOptions, dispatch_mode
+    from vllm_srun.tuner.modes import max_threads, parse_mode
 
     if args.mkl_cbwr:
         if args.backend != BackendName.TORCH.value:
             raise ConfigError("--mkl-cbwr applies to the torch backend only (--backend torch)")
         if os.environ.get("MKL_CBWR") != "AUTO":  # MKL reads it once, when torch loads
-            os.execve(sys.executable, [sys.executable, "-m", "server.cli", *argv],
+            os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server.cli", *argv],
                       {**os.environ, "MKL_CBWR": "AUTO"})
     config = config_from_args(args)
-    uses_gpu = any((r.device or "cpu") != "cpu" for d in config.deployments.values()
+    uses_gpu = any(device.is_gpu(r.device or "cpu") for d in config.deployments.values()
                    for r in d.placements())
-    check_placement(config, visible_devices() if uses_gpu else {"cpu": 1})
+    check_placement(config, device.visible_devices() if uses_gpu else {"cpu": 1})
     budget = cpu_budget()
     bound = config.deployments[config.bound]
     num_threads = configured_threads(budget, bound.engine.num_threads)
@@ -250,7 +252,7 @@ def api_key(flag: str | None) -> str | None:
 
 def _check_deployments(config) -> None:
     """Resolve each managed deployment's artifact and check its set limits, naming the key."""
-    from runtime.artifact import resolve
+    from vllm_srun.runtime.artifact import resolve
 
     for name, dep in config.deployments.items():
         if all(r.endpoint for r in dep.placements()):

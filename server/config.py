@@ -22,10 +22,10 @@ from pydantic import (
     model_validator,
 )
 
-from runtime.errors import ConfigError
+from vllm_srun.runtime.device import parse_device
+from vllm_srun.runtime.errors import ConfigError
 
 DEFAULT_DEPLOYMENT = "primary"
-_DEVICE = re.compile(r"^(cpu|cuda|rocm)(?::(\d{1,3}))?$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -51,21 +51,6 @@ class OutlierConfig(_Strict):
     base_ejection_ms: Positive = 30_000
     max_ejection_ms: Annotated[int, Field(ge=1, le=3_600_000, strict=True)] | None = None
     max_ejection_percent: Annotated[int, Field(ge=0, le=100, strict=True)] = 50
-
-
-def parse_device(text: str) -> tuple[str, int | None]:
-    """``cpu`` | ``cuda:N`` | ``rocm:N`` -> (platform, index). GPU indices are the ordinals of
-    the devices this process can see (``CUDA_VISIBLE_DEVICES`` / the Kubernetes device
-    plugin's allocation), never host ids."""
-    m = _DEVICE.match(text)
-    if not m:
-        raise ValueError(f"device must be 'cpu', 'cuda:N' or 'rocm:N', got {text!r}")
-    platform, index = m.group(1), m.group(2)
-    if platform == "cpu" and index is not None:
-        raise ValueError(f"device 'cpu' takes no index, got {text!r}")
-    if platform != "cpu" and index is None:
-        raise ValueError(f"device {text!r} needs an index ({platform}:0)")
-    return platform, None if index is None else int(index)
 
 
 def _check_endpoint(url: str) -> str:
@@ -272,7 +257,7 @@ def apply_flags(config: Config | None, *, model: str | None, backend: str | None
     - ``available`` maps platform -> visible device count (cpu: any number).
     """
     if config is None:
-        from runtime.artifact import DEFAULT_MODEL
+        from vllm_srun.runtime.artifact import DEFAULT_MODEL
 
         config = single(model or DEFAULT_MODEL, backend)
     elif model is not None:
@@ -321,20 +306,6 @@ def apply_flags(config: Config | None, *, model: str | None, backend: str | None
     entry.pop("model", None)
     entry["replicas"] = replicas
     return validate(data, "flags")
-
-
-def visible_devices() -> dict[str, int]:
-    """Devices this process can see, by platform (GPU indices are allocation ordinals)."""
-    out = {"cpu": 1}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            platform = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-            out[platform] = torch.cuda.device_count()
-    except Exception:  # a broken GPU stack means no GPUs, not a crash
-        pass
-    return out
 
 
 def check_placement(config: Config, available: dict[str, int]) -> None:

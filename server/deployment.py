@@ -8,18 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from records.host_record import HostRecord, HostRecordError, Scope, default_record_path
-from runtime.artifact import resolve
-from runtime.backend import Backend, load_backend
-from runtime.calibrate import calibrate
-from runtime.host import host_fingerprint
-from runtime.paths import data_dir
-from runtime.runner import Runner
-from runtime.types import EngineArgs, ForwardRecord, Manifest
-from tuner.adaptive import AdaptiveThreads, TunerSettings
-from tuner.golden import golden_rows, reference_outputs
-from tuner.modes import AdaptiveMode, allowed_counts
-from tuner.report import build, from_tuner
+from vllm_srun.records.host_record import HostRecord, HostRecordError, Scope, default_record_path
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import Backend, load_backend
+from vllm_srun.runtime.calibrate import calibrate
+from vllm_srun.runtime.device import is_gpu
+from vllm_srun.runtime.host import host_fingerprint
+from vllm_srun.runtime.paths import data_dir
+from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.types import EngineArgs, ForwardRecord, Manifest
+from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
+from vllm_srun.tuner.golden import golden_rows, reference_outputs
+from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
+from vllm_srun.tuner.report import build, from_tuner
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Deployment:
         backend = load_backend(manifest, spec.backend, spec.device)
         if self.wrap_backend is not None:
             backend = self.wrap_backend(backend)
-        if spec.mode is AdaptiveMode.OFF or spec.device != "cpu":
+        if spec.mode is AdaptiveMode.OFF or is_gpu(spec.device):
             runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
             runner.start()
             return runner

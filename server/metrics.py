@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from runtime.sizes import range_label
-from runtime.types import ForwardRecord
+from vllm_srun.runtime.sizes import range_label
+from vllm_srun.runtime.types import ForwardRecord
 
 _FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -8,10 +8,13 @@ Rules, as the seed states them:
 
 - Per replica, count the exchanges in a row that ran out of their deadline (the caller's or
   the deployment's ``timeout_ms``). A cancellation, a refused request or a failure neither
-  counts nor resets the count; a successful answer starts it again.
-- A timeout or a failure also takes the replica out of dispatch for a short backoff (0.1 s,
-  doubling to 3.2 s), after which its ``/health`` is probed; it returns to dispatch when the
-  probe passes (a failed probe is a failure: the next, longer backoff).
+  counts nor resets the count; a successful answer starts it again. A request whose deadline
+  passed before it reached the replica is no exchange: it neither counts nor resets.
+- Only an exchange past the deployment's ``timeout_ms``, or a failure, also takes the replica
+  out of dispatch for a short backoff (0.1 s, doubling to 3.2 s), after which its ``/health``
+  is probed; it returns to dispatch when the probe passes (a failed probe is a failure: the
+  next, longer backoff). An exchange past a caller's own shorter deadline counts, but causes
+  no backoff (R5.5).
 - Reaching ``consecutive_timeouts`` ejects the replica for ``base_ejection_ms``; each further
   ejection lasts twice as long, up to ``max_ejection_ms``. After the cool-down the replica
   returns, and its next timeout ejects it again (for twice as long). A successful answer
@@ -39,11 +42,13 @@ BACKOFF_MAX_S = 3.2
 
 class Outcome(enum.StrEnum):
     SUCCESS = "success"        # an answer within the deadline
-    TIMEOUT = "timeout"        # the exchange ran past its deadline
+    TIMEOUT = "timeout"        # the exchange ran past the deployment's timeout_ms
+    DEADLINE = "deadline"      # the exchange ran past the caller's own shorter deadline
     FAILURE = "failure"        # the worker failed (connection lost, 5xx, crash)
     REFUSED = "refused"        # the worker refused (its own overload, not ready)
     CANCELLED = "cancelled"    # the caller went away
     NEUTRAL = "neutral"        # answered with a client error (bad input): says nothing
+    NOT_SENT = "not_sent"      # the deadline passed before the request reached the replica
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ class OutlierPolicy:
             return
         if outcome in (Outcome.TIMEOUT, Outcome.FAILURE):
             self._backoff(h, now)
-        if outcome is not Outcome.TIMEOUT:
+        if outcome not in (Outcome.TIMEOUT, Outcome.DEADLINE):
             return
         if h.consecutive_timeouts == 0:
             h.timeouts_began = now

@@ -6,7 +6,7 @@ reconfiguration, for every deployment of the config.
   the same endpoint share one account.
 - Admission (R5.3): at most 32 in flight per worker, no pool queue: when every replica that
   may take requests is full, 429 ``overloaded`` with ``Retry-After`` at once.
-- Backoff, probes and ejection (R5.5, R5.6) follow :mod:`server.outlier`; a monitor task
+- Backoff, probes and ejection (R5.5, R5.6) follow :mod:`vllm_srun.server.outlier`; a monitor task
   readmits on cool-down and runs the ``/health`` probes.
 - A request is dispatched once. Only when nothing was done (the worker could not be reached,
   or refused) does it try one other replica.
@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.artifact import resolve
-from runtime.budget import configured_threads
-from runtime.errors import ConfigError, RuntimeFault
-from runtime.types import EngineArgs, Task
-from server.config import Config, DeploymentConfig, ReplicaConfig
-from server.deployment import Deployment, DeploymentSpec
-from server.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
-from server.replicas import (
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.budget import configured_threads
+from vllm_srun.runtime.errors import ConfigError, RuntimeFault
+from vllm_srun.runtime.types import EngineArgs, Task
+from vllm_srun.server.config import Config, DeploymentConfig, ReplicaConfig
+from vllm_srun.server.deployment import Deployment, DeploymentSpec
+from vllm_srun.server.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
+from vllm_srun.server.replicas import (
     STARTUP_TIMEOUT_S,
     AttachedReplica,
     ExchangeError,
@@ -149,8 +149,18 @@ class DeploymentPool:
         self.policy.report(replica.id, outcome, self.ready_ids())
 
     async def infer(self, texts: list[str], truncate: bool,
-                    deadline: float) -> tuple[np.ndarray, int, str]:
-        """Dispatch one request as one unit; returns (rows, prompt tokens, replica id)."""
+                    caller_deadline: float | None = None) -> tuple[np.ndarray, int, str]:
+        """Dispatch one request as one unit; returns (rows, prompt tokens, replica id).
+
+        The exchange's deadline is the deployment's ``timeout_ms`` or the caller's own
+        (monotonic) deadline, whichever comes first. Running past the caller's shorter
+        deadline counts toward ``consecutive_timeouts`` but causes no backoff (R5.5)."""
+        limit = time.monotonic() + self.config.engine.timeout_ms / 1000
+        caller_shorter = caller_deadline is not None and caller_deadline < limit
+        deadline = caller_deadline if caller_shorter else limit
+        if deadline <= time.monotonic():  # no exchange: it neither counts nor resets
+            raise ExchangeError(Outcome.NOT_SENT, 504, "deadline_exceeded",
+                                "deadline passed before the request reached a replica")
         nbytes = sum(len(t) for t in texts)
         tried: set[str] = set()
         while True:
@@ -158,7 +168,10 @@ class DeploymentPool:
             try:
                 out, tokens = await replica.call(texts, truncate, deadline)
             except ExchangeError as exc:
-                self._settle(replica, nbytes, exc.outcome)
+                outcome = exc.outcome
+                if outcome is Outcome.TIMEOUT and caller_shorter:
+                    outcome = Outcome.DEADLINE
+                self._settle(replica, nbytes, outcome)
                 tried.add(replica.id)
                 if exc.retry_elsewhere and len(tried) < 2 and any(
                         r.state == "ready" and r.id not in tried for r in self.replicas):
@@ -291,7 +304,7 @@ class Pool:
         args = self._engine_args(dep)
         backend = dep.backend or "onnxruntime"
         if dep.shorthand:
-            from tuner.modes import AdaptiveMode
+            from vllm_srun.tuner.modes import AdaptiveMode
 
             spec = DeploymentSpec(dep.artifact, backend, args, self.options.budget,
                                   AdaptiveMode(self.options.mode), self.options.max_threads,

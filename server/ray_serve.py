@@ -5,7 +5,7 @@ deployment inside the actor. Ray places and scales the actors; each actor's CPU 
 its thread budget (``num_cpus`` = threads, and the ``OMP_NUM_THREADS`` Ray sets from it), so
 a worker never sizes itself from the node's cores.
 
-    from server.ray_serve import build
+    from vllm_srun.server.ray_serve import build
     serve.run(build("all-MiniLM-L6-v2", threads=2, num_replicas=4))
 
 ``check_health`` reports our own readiness (golden check, load failures). HTTP through Ray's
@@ -26,8 +26,8 @@ from collections import defaultdict
 from ray import serve
 from ray.serve.request_router import RequestRouter
 
-from runtime.budget import cpu_budget
-from runtime.errors import ConfigError
+from vllm_srun.runtime.budget import cpu_budget
+from vllm_srun.runtime.errors import ConfigError
 
 
 def actor_budget() -> int:
@@ -93,9 +93,9 @@ class Engine:
 
     def __init__(self, model: str, backend: str = "onnxruntime", threads: int = 1,
                  max_num_seqs: int = 32, timeout_ms: int = 30_000) -> None:
-        from server.app import ServerOptions, ServerState, create_app
-        from server.config import EngineConfig, single
-        from server.pool import PoolOptions
+        from vllm_srun.server.app import ServerOptions, ServerState, create_app
+        from vllm_srun.server.config import EngineConfig, single
+        from vllm_srun.server.pool import PoolOptions
 
         self.budget = actor_budget()
         if threads > self.budget:
@@ -128,12 +128,9 @@ class Engine:
 
     async def embed(self, texts: list[str], truncate: bool = False) -> dict:
         """The Python path: rows as lists, plus who answered and at what thread count."""
-        import time
-
         await self._ready()
         dep = self.state.pool.deployment_for(None)
-        deadline = time.monotonic() + dep.config.engine.timeout_ms / 1000
-        out, tokens, _ = await dep.infer(list(texts), truncate, deadline)
+        out, tokens, _ = await dep.infer(list(texts), truncate)
         context = serve.get_replica_context()
         return {"data": out.tolist(), "tokens": tokens, "budget": self.budget,
                 "threads": self.threads, "pid": os.getpid(),
@@ -178,14 +175,15 @@ def from_config(path: str, bytes_router: bool = False):
     """The same ``config.yaml`` on Ray: the bound deployment's artifact, backend and engine
     arguments; one Ray replica per configured replica (CPU replicas get ``num_cpus`` =
     ``engine.num_threads``, GPU replicas one GPU each)."""
-    from server.config import load, parse_device
+    from vllm_srun.runtime.device import is_gpu
+    from vllm_srun.server.config import load
 
     config = load(path)
     dep = config.deployments[config.bound]
     placements = dep.placements()
     if any(r.endpoint for r in placements):
         raise ConfigError(f"{path}: attached endpoints are not placed by Ray; list devices")
-    gpus = 1 if any(parse_device(r.device)[0] != "cpu" for r in placements) else 0
+    gpus = 1 if any(is_gpu(r.device) for r in placements) else 0
     e = dep.engine
     return build(dep.artifact, threads=e.num_threads or 1, num_replicas=len(placements),
                  num_gpus=gpus, backend=dep.backend or "onnxruntime",
@@ -194,7 +192,7 @@ def from_config(path: str, bytes_router: bool = False):
 
 
 def app_builder(args: dict):
-    """``import_path: server.ray_serve:app_builder`` for ``serve run`` and KubeRay's
+    """``import_path: vllm_srun.server.ray_serve:app_builder`` for ``serve run`` and KubeRay's
     RayService: ``args`` is ``{"config": PATH}`` or ``build``'s keywords."""
     args = dict(args)
     if "config" in args:

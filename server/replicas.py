@@ -24,9 +24,10 @@ import httpx
 import numpy as np
 import orjson
 
-from runtime.errors import RuntimeFault
-from server.bridge import fault_status, run
-from server.outlier import Outcome
+from vllm_srun.runtime.device import is_gpu
+from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.server.bridge import fault_status, run
+from vllm_srun.server.outlier import Outcome
 
 log = logging.getLogger("vllm_srun.pool")
 
@@ -34,6 +35,9 @@ GRACE_S = 0.05            # beyond the deadline before the pool gives up on the 
 PROBE_TIMEOUT_S = 1.0
 STARTUP_TIMEOUT_S = 600.0
 RESTART_START_S, RESTART_MAX_S, RESTART_STABLE_S = 0.5, 30.0, 60.0
+# How a managed worker starts. ``-P`` keeps the working directory off the module path (R9.1).
+# Only a test-only entry point (tests/fault_server.py) replaces it, never a flag or variable.
+WORKER_COMMAND: tuple[str, ...] = (sys.executable, "-P", "-m", "vllm_srun.server.worker")
 
 
 class ExchangeError(Exception):
@@ -166,6 +170,9 @@ class LocalReplica(Replica):
         return self.runner is not None and self.runner.ready
 
     async def call(self, texts, truncate, deadline):
+        if deadline <= time.monotonic():  # no exchange: it neither counts nor resets (R5.5)
+            raise ExchangeError(Outcome.NOT_SENT, 504, "deadline_exceeded",
+                                "deadline passed before the request reached the engine")
         try:
             return await run(self.runner, texts, truncate, deadline)
         except RuntimeFault as exc:
@@ -207,8 +214,8 @@ async def _send(replica: Replica, client: httpx.AsyncClient, path: str, payload:
                 headers: dict[str, str], deadline: float) -> httpx.Response:
     """POST with the deadline as the limit; classify transport faults."""
     remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise ExchangeError(Outcome.TIMEOUT, 504, "deadline_exceeded",
+    if remaining <= 0:  # no exchange: it neither counts nor resets (R5.5)
+        raise ExchangeError(Outcome.NOT_SENT, 504, "deadline_exceeded",
                             "deadline passed before the request was sent")
     try:
         return await client.post(path, content=payload, headers=headers,
@@ -240,12 +247,12 @@ class HttpReplica(Replica):
 
 
 class ProcessReplica(HttpReplica):
-    """A managed worker process (``python -m server.worker``) on a Unix socket, supervised:
-    a crash is restarted with backoff and counted (R5.9)."""
+    """A managed worker process (``python -P -m vllm_srun.server.worker``) on a Unix socket,
+    supervised: a crash is restarted with backoff and counted (R5.9)."""
 
     def __init__(self, *args, socket_path: str, spec: dict, log_level: str = "warning") -> None:
         super().__init__(*args)
-        self.kind = "gpu" if spec["device"] != "cpu" else "cpu"
+        self.kind = "gpu" if is_gpu(spec["device"]) else "cpu"
         self.socket_path = socket_path
         self.spec = spec
         self.log_level = log_level
@@ -264,7 +271,7 @@ class ProcessReplica(HttpReplica):
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "server.worker", "--socket", self.socket_path,
+            *WORKER_COMMAND, "--socket", self.socket_path,
             "--spec", json.dumps(self.spec), "--replica-id", self.id,
             "--log-level", self.log_level, "--parent-pid", str(os.getpid()),
             stdin=asyncio.subprocess.DEVNULL)

@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
-from runtime.artifact import DEFAULT_MODEL
-from runtime.errors import ConfigError
-from runtime.types import BackendName
+from vllm_srun.runtime.artifact import DEFAULT_MODEL
+from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.runtime.types import BackendName
 
 
 def add_threads_commands(sub, add_threads_flags) -> None:
@@ -42,7 +42,8 @@ def _ensure_cbwr(args: argparse.Namespace) -> None:
     if args.backend != BackendName.TORCH.value:
         raise ConfigError("--mkl-cbwr applies to the torch backend only (--backend torch)")
     if os.environ.get("MKL_CBWR") != "AUTO":
-        os.execve(sys.executable, [sys.executable, "-m", "server.cli", *sys.argv[1:]],
+        os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server.cli",
+                                   *sys.argv[1:]],
                   {**os.environ, "MKL_CBWR": "AUTO"})
 
 
@@ -53,7 +54,7 @@ def run_threads(args: argparse.Namespace) -> int:
 
 
 def _open(args: argparse.Namespace):
-    from server.deployment import open_record, record_path
+    from vllm_srun.server.deployment import open_record, record_path
 
     path = record_path(args.record)
     record, error = open_record(path)
@@ -66,13 +67,13 @@ def _open(args: argparse.Namespace):
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from runtime.artifact import resolve
-    from runtime.backend import load_backend
-    from runtime.budget import configured_threads, cpu_budget
-    from runtime.threads import ThreadContext
-    from server.deployment import scope_for
-    from tuner.modes import allowed_counts, max_threads
-    from tuner.verify import sweep, sweep_batches
+    from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.runtime.backend import load_backend
+    from vllm_srun.runtime.budget import configured_threads, cpu_budget
+    from vllm_srun.runtime.threads import ThreadContext
+    from vllm_srun.server.deployment import scope_for
+    from vllm_srun.tuner.modes import allowed_counts, max_threads
+    from vllm_srun.tuner.verify import sweep, sweep_batches
 
     budget = cpu_budget()
     configured = configured_threads(budget, args.threads)
@@ -114,9 +115,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from tuner.adaptive import RangeLearning
-    from tuner.modes import AdaptiveMode
-    from tuner.report import ReportInput, build, plot, table
+    from vllm_srun.tuner.adaptive import RangeLearning
+    from vllm_srun.tuner.modes import AdaptiveMode
+    from vllm_srun.tuner.report import ReportInput, build, plot, table
 
     record = _open(args)
     reports = []
@@ -147,10 +148,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _reset(args: argparse.Namespace) -> int:
-    from records.host_record import Scope
-    from runtime.artifact import resolve
-    from runtime.budget import cpu_budget
-    from runtime.host import host_fingerprint
+    from vllm_srun.records.host_record import Scope
+    from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.runtime.budget import cpu_budget
+    from vllm_srun.runtime.host import host_fingerprint
 
     manifest = resolve(args.model)
     if args.backend == BackendName.TORCH.value:

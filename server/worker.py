@@ -2,7 +2,10 @@
 engine, cache and (on the CPU) adaptive threads, serving the worker API on a Unix socket in a
 directory only the owner can open.
 
-    python -m server.worker --socket DIR/w0.sock --spec '{"model": ..., ...}'
+    python -P -m vllm_srun.server.worker --socket DIR/w0.sock --spec '{"model": ..., ...}'
+
+(``-P``: the user's working directory is not on the module path, so a ``server.py`` there
+cannot shadow anything, R9.1.)
 
 Worker API (the pool is its only client):
 
@@ -15,10 +18,8 @@ Worker API (the pool is its only client):
   headers; errors are R7.2 JSON bodies with their status.
 - ``GET /threads``: this worker's adaptive-threads report.
 
-Fault injection (tests and bench only): when ``VLLM_SRUN_WORKER_FAULTS`` names a folder, every
-forward first reads ``FOLDER/<replica id>`` (else ``FOLDER/all``): ``hang`` blocks the forward
-while the file says so, ``slow MS`` sleeps MS milliseconds first, ``exit`` ends the process
-mid-forward.
+Fault injection is not reachable from here (R9.2): :func:`main` takes a ``wrap_backend``
+callable that only a test-only entry point (``tests/faulty_worker.py``) passes.
 """
 
 from __future__ import annotations
@@ -36,39 +37,7 @@ import time
 
 import orjson
 
-FAULTS_ENV = "VLLM_SRUN_WORKER_FAULTS"
 log = logging.getLogger("vllm_srun.worker")
-
-
-def _read_fault(paths: list[str]) -> str:
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as f:
-                if text := f.read().strip():
-                    return text
-        except OSError:
-            pass
-    return ""
-
-
-def inject_faults(backend, folder: str, replica_id: str):
-    """Wrap ``backend.forward`` with the faults named in ``folder`` (read at every forward)."""
-    forward = backend.forward
-    paths = [os.path.join(folder, replica_id), os.path.join(folder, "all")]
-
-    def faulty(batch, num_threads):
-        fault = _read_fault(paths)
-        while fault == "hang":
-            time.sleep(0.05)
-            fault = _read_fault(paths)
-        if fault.startswith("slow "):
-            time.sleep(int(fault.split()[1]) / 1000)
-        elif fault == "exit":
-            os._exit(17)
-        return forward(batch, num_threads)
-
-    backend.forward = faulty
-    return backend
 
 
 def die_with_parent(parent: int) -> None:
@@ -85,9 +54,9 @@ def die_with_parent(parent: int) -> None:
 
 
 def build_spec(raw: dict):
-    from runtime.types import EngineArgs
-    from server.deployment import DeploymentSpec
-    from tuner.modes import AdaptiveMode
+    from vllm_srun.runtime.types import EngineArgs
+    from vllm_srun.server.deployment import DeploymentSpec
+    from vllm_srun.tuner.modes import AdaptiveMode
 
     args = EngineArgs(**raw["args"])
     return DeploymentSpec(model=raw["model"], backend=raw["backend"], args=args,
@@ -104,9 +73,9 @@ def create_worker_app(deployment, state: dict):
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from runtime.errors import RuntimeFault
-    from server.bridge import fault_status, run
-    from server.schemas import error_body
+    from vllm_srun.runtime.errors import RuntimeFault
+    from vllm_srun.server.bridge import fault_status, run
+    from vllm_srun.server.schemas import error_body
 
     def error(status: int, code: str, message: str) -> Response:
         return Response(orjson.dumps(error_body(code, message)), status,
@@ -152,7 +121,8 @@ def create_worker_app(deployment, state: dict):
                              Route("/threads", threads)])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, wrap_backend=None) -> int:
+    """Run one worker. ``wrap_backend`` (tests only) wraps the loaded backend."""
     parser = argparse.ArgumentParser(prog="vllm-srun-worker")
     parser.add_argument("--socket", required=True)
     parser.add_argument("--spec", required=True)
@@ -167,12 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(args.parent_pid)
     import uvicorn
 
-    from server.deployment import Deployment
+    from vllm_srun.server.deployment import Deployment
 
     spec = build_spec(json.loads(args.spec))
-    path = os.environ.get(FAULTS_ENV)
-    wrap = (lambda b: inject_faults(b, path, args.replica_id)) if path else None
-    deployment = Deployment(spec, wrap_backend=wrap)
+    deployment = Deployment(spec, wrap_backend=wrap_backend)
     state: dict = {"reason": "loading"}
 
     def load() -> None:

@@ -38,9 +38,13 @@ def words(n: int) -> str:
 class Server:
     """A real ``vllm-srun serve`` process on a free port."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "server.cli", "serve", *args, "--port", "0",
-               "--log-level", "warning"]
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 faults: Path | None = None) -> None:
+        # faults: a folder of fault files; the server then runs through the test-only
+        # launcher tests/faults.py (R9.2: the product itself has no fault hooks)
+        launcher = (["-m", "tests.faults", "--faults", str(faults), "serve"] if faults is not None
+                    else ["-m", "vllm_srun.server.cli", "serve"])
+        cmd = [sys.executable, *launcher, *args, "--port", "0", "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
         line = self.proc.stdout.readline()

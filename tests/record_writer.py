@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import uuid
 
-from records.host_record import HostRecord, Scope
+from vllm_srun.records.host_record import HostRecord, Scope
 
 if __name__ == "__main__":
     record = HostRecord(sys.argv[1])

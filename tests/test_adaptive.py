@@ -12,20 +12,20 @@ import time
 import numpy as np
 import pytest
 
-from records.host_record import HostRecord, Scope
-from runtime.artifact import resolve
-from runtime.backend import load_backend
-from runtime.engine import pad
-from runtime.runner import Runner
-from runtime.threads import ThreadContext
-from runtime.types import EngineArgs, ForwardResult
 from tests.conftest import L6
-from tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
-from tuner.golden import golden_rows, reference_outputs
-from tuner.modes import AdaptiveMode
-from tuner.policy import RangeState
-from tuner.report import build, from_tuner
-from tuner.verify import sweep, sweep_batches
+from vllm_srun.records.host_record import HostRecord, Scope
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.threads import ThreadContext
+from vllm_srun.runtime.types import EngineArgs, ForwardResult
+from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
+from vllm_srun.tuner.golden import golden_rows, reference_outputs
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.policy import RangeState
+from vllm_srun.tuner.report import build, from_tuner
+from vllm_srun.tuner.verify import sweep, sweep_batches
 
 FAST = TunerSettings(min_samples=3, window=3, audit_every=2, budget_fraction=1.0, flush_s=0.0)
 M = resolve(L6)
@@ -242,13 +242,13 @@ def test_relearning_when_served_time_moves(backends, tmp_path):
 def test_mkl_cbwr_makes_torch_exact_and_learning_proceeds(tmp_path):
     script = f"""
 import json, numpy as np
-from records.host_record import HostRecord
+from vllm_srun.records.host_record import HostRecord
 from tests.test_adaptive import start, row, serve_paced, FAST
-from runtime.backend import load_backend
-from tuner.modes import AdaptiveMode
-from tuner.report import build, from_tuner
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.report import build, from_tuner
 from tests.conftest import L6
-from runtime.artifact import resolve
+from vllm_srun.runtime.artifact import resolve
 record = HostRecord({str(tmp_path / "r.sqlite")!r})
 runner, tuner = start(load_backend(resolve(L6), "torch"), record, AdaptiveMode.LEARN, 2, (1, 2))
 for tokens in range(5, 12):
@@ -256,7 +256,7 @@ for tokens in range(5, 12):
         serve_paced(runner, tuner, row(tokens, i))
 runner.stop()
 rep = build(from_tuner(tuner))
-from runtime.engine import pad
+from vllm_srun.runtime.engine import pad
 same = [np.array_equal(tuner.forward(pad([row(t, 9)]), 1).outputs,
                        tuner.forward(pad([row(t, 9)]), 2).outputs) for t in range(5, 12)]
 print(json.dumps({{"drift": rep["drift"], "comparisons": tuner.comparisons, "same": same,

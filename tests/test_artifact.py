@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 
-from runtime.artifact import DEFAULT_MODEL, resolve
-from runtime.backend import load_backend
-from runtime.errors import ArtifactError, InputTooLong, Unsupported
-from runtime.tokenizer import Tokenizer
-from runtime.types import Pooling, Task
 from tests.conftest import L3, L6, words
+from vllm_srun.runtime.artifact import DEFAULT_MODEL, resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.errors import ArtifactError, InputTooLong, Unsupported
+from vllm_srun.runtime.tokenizer import Tokenizer
+from vllm_srun.runtime.types import Pooling, Task
 
 
 def test_default_model_is_the_packaged_l6():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.batching import PendingRow, length_bucket, next_batch
+from vllm_srun.runtime.batching import PendingRow, length_bucket, next_batch
 
 
 def rows(*lengths: int) -> list[PendingRow]:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.budget import (
+from vllm_srun.runtime.budget import (
     THREADS_ENV,
     cgroup_cpus,
     configured_threads,
     cpu_budget,
     default_threads,
 )
-from runtime.errors import ConfigError
+from vllm_srun.runtime.errors import ConfigError
 
 
 def _v2(tmp_path, rel: str, quotas: dict[str, str]):

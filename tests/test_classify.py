@@ -7,17 +7,17 @@ import pytest
 import torch
 from transformers import BertForSequenceClassification
 
-from runtime.runner import Runner
-from runtime.types import EngineArgs
 from tests.conftest import Server
+from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.types import EngineArgs
 
 TEXTS = ["I loved it", "terrible service, never again", "it was fine I guess"]
 
 
 @pytest.fixture(scope="module")
 def expected_logits(classifier_dir):
-    from runtime.artifact import resolve
-    from runtime.tokenizer import Tokenizer
+    from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.runtime.tokenizer import Tokenizer
 
     m = resolve(str(classifier_dir))
     tok = Tokenizer(m.tokenizer_path, m.max_tokens)

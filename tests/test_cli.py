@@ -10,8 +10,9 @@ import pytest
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-m", "vllm_srun.server.cli", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])

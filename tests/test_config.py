@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from runtime.errors import ConfigError
-from server.config import apply_flags, check_placement, load, single, validate
 from tests.test_cli import run_cli
+from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.server.config import apply_flags, check_placement, load, single, validate
 
 # The seed's two examples, as written.
 SEED_PLACEMENT = """

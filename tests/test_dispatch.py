@@ -11,10 +11,10 @@ import asyncio
 
 import pytest
 
-from server.config import validate
-from server.outlier import Outcome, OutlierPolicy, OutlierSettings
-from server.pool import MAX_IN_FLIGHT, DeploymentPool, Pool, PoolError, PoolOptions
-from server.replicas import AttachedReplica, LoadAccount
+from vllm_srun.server.config import validate
+from vllm_srun.server.outlier import Outcome, OutlierPolicy, OutlierSettings
+from vllm_srun.server.pool import MAX_IN_FLIGHT, DeploymentPool, Pool, PoolError, PoolOptions
+from vllm_srun.server.replicas import AttachedReplica, LoadAccount
 
 
 class Placeholder:
@@ -111,7 +111,7 @@ def test_deployments_attaching_one_endpoint_share_one_load_account():
 
 
 def test_pool_is_saturated_only_when_no_replica_can_admit():
-    from server.config import single
+    from vllm_srun.server.config import single
 
     pool = Pool(PoolOptions(budget=2))
     dep = pool_of(2)

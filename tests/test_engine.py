@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from runtime.artifact import resolve
-from runtime.backend import load_backend
-from runtime.errors import ConfigError, DeadlineExceeded, InputTooLong
-from runtime.runner import Runner
-from runtime.types import EngineArgs
 from tests.conftest import L6, words
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.errors import ConfigError, DeadlineExceeded, InputTooLong
+from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.types import EngineArgs
 
 LONG = [101] + [7592] * 254 + [102]
 

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 
-from records.host_record import (
+from vllm_srun.records.host_record import (
     APPLICATION_ID,
     MIGRATIONS,
     SCHEMA_VERSION,

@@ -1,8 +1,8 @@
 """The replica pool with real worker processes and real faults (R5.1-R5.10, R6.1, R7.3).
 
-Faults are injected into real workers through ``VLLM_SRUN_WORKER_FAULTS`` (a folder: the
-file named after a replica makes its forward ``hang`` or ``slow MS``) or by signalling the
-worker process. Nothing of the pool is mocked.
+Faults are injected into real workers through the test-only launcher ``tests/faults.py`` (a
+folder: the file named after a replica makes its forward ``hang`` or ``slow MS``) or by
+signalling the worker process. Nothing of the pool is mocked.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ class PoolServer(Server):
         self.faults = tmp_path / "faults"
         self.faults.mkdir(exist_ok=True)
         self.config_path = write_config(tmp_path / "config.yaml", deployments, bound)
-        super().__init__("--config", str(self.config_path),
-                         env={"VLLM_SRUN_WORKER_FAULTS": str(self.faults), **(env or {})})
+        super().__init__("--config", str(self.config_path), env=env, faults=self.faults)
 
     def fault(self, replica: str, what: str | None) -> None:
         path = self.faults / replica

@@ -35,8 +35,8 @@ def ray_app(tmp_path_factory):
              _temp_dir=str(tmp_path_factory.mktemp("ray")))
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    from server.ray_serve import app_builder
     from tests.test_pool import write_config
+    from vllm_srun.server.ray_serve import app_builder
 
     config = write_config(tmp_path_factory.mktemp("cfg") / "config.yaml", {"primary": {
         "artifact": L6, "replicas": [{"device": "cpu"}] * 2,
@@ -80,7 +80,7 @@ def test_bytes_router_reserves_on_choice_and_releases_on_completion():
     import asyncio
     from types import SimpleNamespace
 
-    from server.ray_serve import FewestBytesRouter
+    from vllm_srun.server.ray_serve import FewestBytesRouter
 
     router = FewestBytesRouter.__new__(FewestBytesRouter)
     router.initialize_state()

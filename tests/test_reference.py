@@ -10,10 +10,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from runtime.artifact import resolve
-from runtime.runner import Runner
-from runtime.types import EngineArgs
 from tests.conftest import L3, L6, words
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.types import EngineArgs
 
 CONTENT_TOKENS = [1, 2, 3, 5, 8, 11, 16, 31, 64, 100, 127, 200, 254]
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Ünïcödé, emoji 🚀 and CJK 漢字",
@@ -51,7 +51,7 @@ def test_l3_matches_its_own_onnx_pooled_output():
     manifest = resolve(L3)
     texts = [words(n) for n in (1, 7, 30, 126)] + SENTENCES
     ours = _serve(L3, "onnxruntime", texts, truncate=False)
-    from runtime.tokenizer import Tokenizer
+    from vllm_srun.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(manifest.tokenizer_path, manifest.max_tokens)
     session = ort.InferenceSession(manifest.onnx_path, providers=["CPUExecutionProvider"])

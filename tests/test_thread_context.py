@@ -17,12 +17,12 @@ import pytest
 import torch
 from threadpoolctl import threadpool_info
 
-from runtime.artifact import resolve
-from runtime.backend import OnnxBackend, TorchBackend, load_backend
-from runtime.engine import Engine
-from runtime.threads import ThreadContext, lane_threads
-from runtime.types import EngineArgs
 from tests.conftest import L6
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import OnnxBackend, TorchBackend, load_backend
+from vllm_srun.runtime.engine import Engine
+from vllm_srun.runtime.threads import ThreadContext, lane_threads
+from vllm_srun.runtime.types import EngineArgs
 
 
 @pytest.fixture(scope="module")

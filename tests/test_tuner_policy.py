@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.errors import ConfigError
-from tuner.modes import ADAPTIVE_ENV, AdaptiveMode, allowed_counts, max_threads, parse_mode
-from tuner.policy import counts_needing_samples, learned_count, moved
+from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.tuner.modes import (
+    ADAPTIVE_ENV,
+    AdaptiveMode,
+    allowed_counts,
+    max_threads,
+    parse_mode,
+)
+from vllm_srun.tuner.policy import counts_needing_samples, learned_count, moved
 
 
 @pytest.mark.parametrize(("raw", "mode"), [(None, AdaptiveMode.OFF), ("", AdaptiveMode.OFF),

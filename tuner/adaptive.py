@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from records.host_record import DriftEvent, HostRecord, HostRecordError, Scope, Voucher
-from runtime.engine import pad
-from runtime.sizes import size_range
-from runtime.types import ForwardResult, TokenBatch
-from tuner.modes import AdaptiveMode
-from tuner.policy import counts_needing_samples, learned_count, moved
+from vllm_srun.records.host_record import DriftEvent, HostRecord, HostRecordError, Scope, Voucher
+from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.sizes import size_range
+from vllm_srun.runtime.types import ForwardResult, TokenBatch
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.policy import counts_needing_samples, learned_count, moved
 
 log = logging.getLogger(__name__)
 

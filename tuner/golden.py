@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.tokenizer import Tokenizer
+from vllm_srun.runtime.tokenizer import Tokenizer
 
 GOLDEN_TEXTS = (
     "hello",

@@ -6,8 +6,8 @@ import enum
 import os
 from collections.abc import Mapping
 
-from runtime.budget import parse_threads
-from runtime.errors import ConfigError
+from vllm_srun.runtime.budget import parse_threads
+from vllm_srun.runtime.errors import ConfigError
 
 ADAPTIVE_ENV = "VLLM_SRUN_CPU_ADAPTIVE_THREADS"
 MAX_THREADS_ENV = "VLLM_SRUN_CPU_MAX_THREADS"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from records.host_record import DriftEvent, Scope, Voucher
-from tuner.adaptive import AdaptiveThreads, RangeLearning
-from tuner.modes import AdaptiveMode
-from tuner.policy import RangeState, speedup, summarize
+from vllm_srun.records.host_record import DriftEvent, Scope, Voucher
+from vllm_srun.tuner.adaptive import AdaptiveThreads, RangeLearning
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.policy import RangeState, speedup, summarize
 
 CBWR_REMEDY = ("answers drifted across thread counts with the torch backend; start the worker "
                "with --mkl-cbwr (sets MKL_CBWR=AUTO before torch loads), which made this kind "

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.engine import pad
-from runtime.sizes import size_range
-from runtime.types import ForwardResult, TokenBatch
-from tuner.adaptive import output_bits
+from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.sizes import size_range
+from vllm_srun.runtime.types import ForwardResult, TokenBatch
+from vllm_srun.tuner.adaptive import output_bits
 
 
 @dataclass
