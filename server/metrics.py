@@ -30,7 +30,8 @@ class Metrics:
                                 registry=self.registry)
         self.exchanges = Counter("vllm_srun_replica_exchanges",
                                  "Requests dispatched to a replica, by outcome (success, "
-                                 "timeout, failure, refused, cancelled, neutral, overloaded)",
+                                 "timeout, deadline, failure, refused, cancelled, neutral, "
+                                 "not_sent, overloaded)",
                                  ["deployment", "replica", "outcome"], registry=self.registry)
         self.ejections = Counter("vllm_srun_replica_ejections", "Outlier ejections (R5.6)",
                                  ["deployment", "replica"], registry=self.registry)

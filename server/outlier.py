@@ -98,18 +98,11 @@ class ReplicaHealth:
 
 @dataclass(frozen=True)
 class Event:
-    kind: str          # replica_ejected | replica_readmitted | replica_ejection_withheld
+    kind: str  # replica_ejected | replica_readmitted | replica_ejection_withheld | replica_backoff
     replica_id: str
     at: float
     reason: str
     ejection_ms: int | None = None
-
-    def as_dict(self) -> dict:
-        out = {"event": self.kind, "replica": self.replica_id, "at": round(self.at, 3),
-               "reason": self.reason}
-        if self.ejection_ms is not None:
-            out["ejection_ms"] = self.ejection_ms
-        return out
 
 
 @dataclass
@@ -144,7 +137,7 @@ class OutlierPolicy:
                 self._readmit(h, now, "successful answer")
             return
         if outcome in (Outcome.TIMEOUT, Outcome.FAILURE):
-            self._backoff(h, now)
+            self._backoff(h, now, outcome)
         if outcome not in (Outcome.TIMEOUT, Outcome.DEADLINE):
             return
         if h.consecutive_timeouts == 0:
@@ -154,11 +147,14 @@ class OutlierPolicy:
         if threshold and h.consecutive_timeouts >= threshold and not h.ejected(now):
             self._maybe_eject(h, now, set(ready))
 
-    def _backoff(self, h: ReplicaHealth, now: float) -> None:
+    def _backoff(self, h: ReplicaHealth, now: float, outcome: Outcome) -> None:
         h.backoff_s = BACKOFF_START_S if h.backoff_s == 0 else min(2 * h.backoff_s,
                                                                     BACKOFF_MAX_S)
         h.backoff_until = now + h.backoff_s
         h.probe_due = True
+        self._emit(Event("replica_backoff", h.replica_id, now,
+                         f"{outcome.value}: out of dispatch for {h.backoff_s:g} s, then a "
+                         f"/health probe"), level=logging.INFO)
 
     def _maybe_eject(self, h: ReplicaHealth, now: float, ready: set[str]) -> None:
         n = len(self.replicas)
@@ -193,8 +189,8 @@ class OutlierPolicy:
         h.total_readmissions += 1
         self._emit(Event("replica_readmitted", h.replica_id, now, reason))
 
-    def _emit(self, event: Event) -> None:
-        log.warning("%s replica=%s reason=%r%s", event.kind, event.replica_id, event.reason,
+    def _emit(self, event: Event, level: int = logging.WARNING) -> None:
+        log.log(level, "%s replica=%s reason=%r%s", event.kind, event.replica_id, event.reason,
                     f" ejection_ms={event.ejection_ms}" if event.ejection_ms else "")
         self.on_event(event)
 

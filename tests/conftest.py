@@ -30,6 +30,26 @@ L6 = "all-MiniLM-L6-v2"
 L3 = "paraphrase-MiniLM-L3-v2"
 
 
+def wait_until(predicate, timeout_s: float = 60, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy (returned); TimeoutError names
+    ``what`` when it never does."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def words(n: int) -> str:
     """A text of exactly n content tokens ("hello" is one token), n + 2 with specials."""
     return " ".join(["hello"] * n)
@@ -39,10 +59,12 @@ class Server:
     """A real ``vllm-srun serve`` process on a free port."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 faults: Path | None = None) -> None:
-        # faults: a folder of fault files; the server then runs through the test-only
-        # launcher tests/faults.py (R9.2: the product itself has no fault hooks)
-        launcher = (["-m", "tests.faults", "--faults", str(faults), "serve"] if faults is not None
+                 faults: Path | None = None, fake_gpus: bool = False) -> None:
+        # faults (a folder of fault files) and fake_gpus run the server through the test-only
+        # launcher tests/faults.py (R9.2: the product itself has no such hooks)
+        options = [*(["--faults", str(faults)] if faults is not None else []),
+                   *(["--fake-gpus"] if fake_gpus else [])]
+        launcher = (["-m", "tests.faults", *options, "serve"] if options
                     else ["-m", "vllm_srun.server.cli", "serve"])
         cmd = [sys.executable, *launcher, *args, "--port", "0", "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -256,3 +256,40 @@ def test_backed_off_replicas_serve_when_no_other_can():
     policy.report("r0", F, ids(policy))
     policy.report("r1", F, ids(policy))
     assert policy.dispatch_tiers(["r0", "r1"]) == [["r0", "r1"]]
+
+
+# -- R5.5 (amended): whose deadline ran out decides backoff ---------------------------------
+
+def test_a_callers_shorter_deadline_counts_but_causes_no_backoff():
+    policy, _clock, events = make(3)
+    answered(policy, "r1")
+    for _ in range(2):
+        policy.report("r0", Outcome.DEADLINE, ids(policy))
+    assert policy.replicas["r0"].consecutive_timeouts == 2
+    assert policy.state_of("r0") is None and not kinds(events, "replica_backoff")
+    assert policy.dispatch_tiers(ids(policy)) == [["r0", "r1", "r2"]]
+
+
+def test_caller_deadlines_reaching_the_threshold_eject_under_the_seeds_guards():
+    policy, _clock, events = make(3)
+    policy.report("r0", Outcome.DEADLINE, ids(policy))
+    answered(policy, "r1")  # another ready replica answered since the timeouts began
+    policy.report("r0", Outcome.DEADLINE, ids(policy))
+    policy.report("r0", Outcome.DEADLINE, ids(policy))
+    assert [e.replica_id for e in kinds(events, "replica_ejected")] == ["r0"]
+    assert not kinds(events, "replica_backoff")
+
+
+def test_a_timeout_past_the_deployments_limit_backs_off_and_says_so():
+    policy, _clock, events = make(3)
+    policy.report("r0", T, ids(policy))
+    assert policy.state_of("r0") == "backoff"
+    assert [e.reason.split(":")[0] for e in kinds(events, "replica_backoff")] == ["timeout"]
+
+
+def test_a_request_never_sent_neither_counts_nor_resets():
+    policy, _clock, events = make(3)
+    timeouts(policy, "r0", 2)
+    policy.report("r0", Outcome.NOT_SENT, ids(policy))
+    assert policy.replicas["r0"].consecutive_timeouts == 2
+    assert len(kinds(events, "replica_backoff")) == 2  # from the two timeouts only

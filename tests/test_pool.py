@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -159,6 +160,35 @@ def test_hung_forward_with_health_ok_is_ejected_and_traffic_survives(three):
     assert ok_fraction(results) == 1.0
     assert 'vllm_srun_replica_readmissions_total{deployment="primary",replica="primary-1"}' \
         in three.client.get("/metrics").text
+
+
+def test_a_flood_of_tiny_caller_deadlines_causes_no_backoff(three):
+    """R5.5 (amended): exchanges past a caller's own shorter deadline count toward
+    consecutive_timeouts but put no replica into backoff; requests whose deadline passed before
+    they reached a replica are no exchange. Normal traffic flowing meanwhile is unharmed, and
+    the seed's guards (at most max_ejection_percent out) decide any ejection."""
+    flood: list = []
+    flooder = threading.Thread(target=lambda: flood.extend(
+        fire(three.url, texts(150, "tiny"), concurrency=6, timeout_ms=1)))
+    flooder.start()
+    normal = fire(three.url, texts(150, "normal"), concurrency=3)
+    flooder.join()
+    assert ok_fraction(normal) == 1.0, [r[:2] for r in normal if r[0] != 200]
+    assert {s for s, _, _ in flood} <= {200, 504}
+    assert three.events("replica_backoff") == []
+    metrics = three.client.get("/metrics").text
+    counted = [line for line in metrics.splitlines()
+               if line.startswith("vllm_srun_replica_exchanges_total")
+               and 'outcome="deadline"' in line]
+    assert counted, "no exchange ran past a caller's deadline: the test exercised nothing"
+    assert 'outcome="timeout"' not in metrics
+    out: set[str] = set()
+    for e in three.inventory()["events"]:  # at most 50% of 3 (one) ejected at any moment
+        if e["event"] == "replica_ejected":
+            out.add(e["replica"])
+            assert len(out) <= 1, e
+        elif e["event"] == "replica_readmitted":
+            out.discard(e["replica"])
 
 
 def test_sigkill_mid_request_fails_promptly_and_the_worker_restarts(three):
