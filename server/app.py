@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hmac
 import logging
 import signal
 import time
@@ -27,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.types import Task
+from vllm_srun.server.auth import RequireApiKey
 from vllm_srun.server.bridge import fault_status
 from vllm_srun.server.config import Config
 from vllm_srun.server.metrics import Metrics
@@ -76,31 +76,6 @@ class AdmissionGate:
                 (b"content-length", str(len(self.body)).encode()), (b"retry-after", b"1")]})
             await send({"type": "http.response.body", "body": self.body})
             return
-        await self.app(scope, receive, send)
-
-
-class RequireApiKey:
-    """ASGI guard: every ``/v1/`` path needs ``Authorization: Bearer <key>``, compared in
-    constant time. ``/health`` (probes), ``/metrics`` (scrapes) and the OpenAPI document stay
-    open; they carry no inference and no inventory."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app = app
-        self.expected = b"Bearer " + key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = orjson.dumps(error_body(
-                    "unauthorized", "missing or wrong API key: send 'Authorization: Bearer "
-                                    "<key>' (see --api-key / VLLM_SRUN_API_KEY)"))
-                await send({"type": "http.response.start", "status": 401, "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                return
         await self.app(scope, receive, send)
 
 

@@ -11,6 +11,7 @@ import sys
 from vllm_srun.runtime.artifact import BUILTIN_MODELS, DEFAULT_MODEL
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
 from vllm_srun.runtime.types import BackendName
+from vllm_srun.server.auth import api_key
 
 log = logging.getLogger("vllm_srun")
 
@@ -236,24 +237,12 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-API_KEY_ENV = "VLLM_SRUN_API_KEY"
-
-
-def api_key(flag: str | None) -> str | None:
-    """The API key from --api-key, else $VLLM_SRUN_API_KEY; None when neither is set."""
-    source, key = ("--api-key", flag) if flag is not None else (API_KEY_ENV,
-                                                                os.environ.get(API_KEY_ENV))
-    if key is None or (source == API_KEY_ENV and key == ""):
-        return None
-    if len(key) < 8 or not all(33 <= ord(c) <= 126 for c in key):
-        raise ConfigError(f"{source} must be at least 8 visible ASCII characters (no spaces)")
-    return key
-
-
 def _check_deployments(config) -> None:
     """Resolve each managed deployment's artifact and check its set limits, naming the key."""
     from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.server.config import check_endpoint_keys
 
+    check_endpoint_keys(config)
     for name, dep in config.deployments.items():
         if all(r.endpoint for r in dep.placements()):
             continue

@@ -8,6 +8,7 @@ prints the result. Errors name the key (``global.model_catalog.deployments.prima
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -59,12 +60,22 @@ def _check_endpoint(url: str) -> str:
     return url.rstrip("/")
 
 
+def _check_env_name(name: str | None) -> str | None:
+    if name is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+        raise ValueError(f"api_key_env names an environment variable (the key itself never "
+                         f"goes in the file), got {name!r}")
+    return name
+
+
 class ReplicaConfig(_Strict):
     device: str | None = None
     endpoint: str | None = None
     model: str | None = None
+    # the environment variable holding the Bearer key of a protected attached endpoint
+    api_key_env: str | None = None
 
     _endpoint = field_validator("endpoint")(lambda v: None if v is None else _check_endpoint(v))
+    _key_env = field_validator("api_key_env")(_check_env_name)
 
     @model_validator(mode="after")
     def _one_placement(self):
@@ -75,6 +86,9 @@ class ReplicaConfig(_Strict):
             if self.model is not None:
                 raise ValueError("model names an attached replica's served model; "
                                  "a managed replica serves the deployment's artifact")
+            if self.api_key_env is not None:
+                raise ValueError("api_key_env is for attached replicas (endpoint); managed "
+                                 "workers are reached on owner-only sockets")
         else:
             if not self.model:
                 raise ValueError("an attached replica (endpoint) needs its own model")
@@ -88,9 +102,11 @@ class DeploymentConfig(_Strict):
     device: str | None = None
     endpoint: str | None = None
     model: str | None = None
+    api_key_env: str | None = None
     replicas: list[ReplicaConfig] | None = None
 
     _endpoint = field_validator("endpoint")(lambda v: None if v is None else _check_endpoint(v))
+    _key_env = field_validator("api_key_env")(_check_env_name)
     engine: EngineConfig = EngineConfig()
     outlier_detection: OutlierConfig = OutlierConfig()
 
@@ -102,10 +118,12 @@ class DeploymentConfig(_Strict):
                                  "endpoint")
             if not self.replicas:
                 raise ValueError("replicas must not be empty (omit it for one worker)")
-            if self.model is not None:
-                raise ValueError("model belongs to an attached replica, not the deployment")
+            if self.model is not None or self.api_key_env is not None:
+                raise ValueError("model and api_key_env belong to an attached replica, not "
+                                 "the deployment")
         elif self.endpoint is not None or self.device is not None or self.model is not None:
-            ReplicaConfig(device=self.device, endpoint=self.endpoint, model=self.model)
+            ReplicaConfig(device=self.device, endpoint=self.endpoint, model=self.model,
+                          api_key_env=self.api_key_env)
         return self
 
     def placements(self) -> list[ReplicaConfig]:
@@ -113,7 +131,8 @@ class DeploymentConfig(_Strict):
         if self.replicas is not None:
             return list(self.replicas)
         if self.endpoint is not None:
-            return [ReplicaConfig(endpoint=self.endpoint, model=self.model)]
+            return [ReplicaConfig(endpoint=self.endpoint, model=self.model,
+                                  api_key_env=self.api_key_env)]
         return [ReplicaConfig(device=self.device or "cpu")]
 
     @property
@@ -306,6 +325,30 @@ def apply_flags(config: Config | None, *, model: str | None, backend: str | None
     entry.pop("model", None)
     entry["replicas"] = replicas
     return validate(data, "flags")
+
+
+def endpoint_key(r: ReplicaConfig, where: str) -> str | None:
+    """The Bearer key of a protected attached endpoint, read from the environment variable
+    its ``api_key_env`` names (never from the file); ConfigError names ``where`` if unset."""
+    if r.api_key_env is None:
+        return None
+    value = os.environ.get(r.api_key_env, "")
+    if not value:
+        raise ConfigError(f"{where}.api_key_env: environment variable {r.api_key_env} is not "
+                          f"set (it must hold the endpoint's API key)")
+    return value
+
+
+def replica_key_path(name: str, dep: DeploymentConfig, index: int) -> str:
+    base = f"global.model_catalog.deployments.{name}"
+    return base if dep.shorthand else f"{base}.replicas[{index}]"
+
+
+def check_endpoint_keys(config: Config) -> None:
+    """Every protected attached endpoint's key variable is set."""
+    for name, dep in config.deployments.items():
+        for i, r in enumerate(dep.placements()):
+            endpoint_key(r, replica_key_path(name, dep, i))
 
 
 def check_placement(config: Config, available: dict[str, int]) -> None:

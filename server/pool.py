@@ -30,7 +30,13 @@ from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.budget import configured_threads
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
 from vllm_srun.runtime.types import EngineArgs, Task
-from vllm_srun.server.config import Config, DeploymentConfig, ReplicaConfig
+from vllm_srun.server.config import (
+    Config,
+    DeploymentConfig,
+    ReplicaConfig,
+    endpoint_key,
+    replica_key_path,
+)
 from vllm_srun.server.deployment import Deployment, DeploymentSpec
 from vllm_srun.server.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
 from vllm_srun.server.replicas import (
@@ -282,7 +288,7 @@ class Pool:
                           timeout_ms=e.timeout_ms, cache_entries=e.cache_entries)
 
     def _new_replica(self, name: str, dep: DeploymentConfig, r: ReplicaConfig,
-                     manifest) -> Replica:
+                     manifest, where: str) -> Replica:
         n = self._ids[name]
         self._ids[name] += 1
         rid = f"{name}-{n}"
@@ -298,7 +304,8 @@ class Pool:
         if r.endpoint is not None:
             account = self.accounts.setdefault(r.endpoint, LoadAccount(r.endpoint))
             return AttachedReplica(rid, r.endpoint, account, expected, transition,
-                                   endpoint=r.endpoint, model=r.model)
+                                   endpoint=r.endpoint, model=r.model,
+                                   api_key=endpoint_key(r, where))
         account = LoadAccount(rid)
         self.accounts[rid] = account
         args = self._engine_args(dep)
@@ -358,7 +365,7 @@ class Pool:
             info, manifest = ((old.info, None) if reusable else self._info(name, dep))
             policy = self._policy(name, dep)
             replicas = []
-            for placement in dep.placements():
+            for index, placement in enumerate(dep.placements()):
                 match = next((r for r in reusable
                               if r.placement == (placement.device or placement.endpoint)
                               and getattr(r, "model", None) == placement.model), None)
@@ -369,7 +376,8 @@ class Pool:
                     policy.replicas[match.id] = old.policy.replicas.get(match.id) \
                         or policy.add(match.id)
                 else:
-                    rep = self._new_replica(name, dep, placement, manifest)
+                    rep = self._new_replica(name, dep, placement, manifest,
+                                            replica_key_path(name, dep, index))
                     fresh.append(rep)
                     replicas.append(rep)
                     policy.add(rep.id)

@@ -94,6 +94,7 @@ class Engine:
     def __init__(self, model: str, backend: str = "onnxruntime", threads: int = 1,
                  max_num_seqs: int = 32, timeout_ms: int = 30_000) -> None:
         from vllm_srun.server.app import ServerOptions, ServerState, create_app
+        from vllm_srun.server.auth import api_key
         from vllm_srun.server.config import EngineConfig, single
         from vllm_srun.server.pool import PoolOptions
 
@@ -104,7 +105,10 @@ class Engine:
         config = single(model, backend, EngineConfig(num_threads=threads,
                                                      max_num_seqs=max_num_seqs,
                                                      timeout_ms=timeout_ms))
-        self.state = ServerState(config, PoolOptions(self.budget), ServerOptions())
+        # the same key as vllm-srun serve: $VLLM_SRUN_API_KEY in the actor's environment (on
+        # KubeRay, from a Secret in the pod template); it guards HTTP through Ray's proxy
+        self.state = ServerState(config, PoolOptions(self.budget),
+                                 ServerOptions(api_key=api_key(None)))
         self.app = create_app(self.state)
         self._started: asyncio.Task | None = None
         self.threads = threads

@@ -82,7 +82,7 @@ class Replica(abc.ABC):
         if state == self.state and reason == self.reason:
             return
         self.state, self.reason = state, reason
-        if state in ("ready", "incompatible", "failed"):
+        if state in ("ready", "incompatible", "failed", "unauthorized"):
             self._ready_event.set()
         self._on_transition(self, state, reason or "")
 
@@ -191,6 +191,14 @@ def _decode_rows(resp: httpx.Response) -> tuple[np.ndarray, int]:
     return out, int(resp.headers["x-tokens"])
 
 
+def _refused_key(sent: bool, status: int) -> str:
+    if sent:
+        return (f"endpoint refused the API key from api_key_env ({status}): the variable holds "
+                f"a key the endpoint does not accept")
+    return (f"endpoint requires an API key ({status}): set api_key_env on this replica to an "
+            f"environment variable holding it")
+
+
 def _worker_error(replica: Replica, resp: httpx.Response) -> ExchangeError:
     try:
         err = resp.json()["error"]
@@ -198,6 +206,10 @@ def _worker_error(replica: Replica, resp: httpx.Response) -> ExchangeError:
     except (ValueError, KeyError, TypeError):
         code, message = "replica_error", resp.text[:200]
     status = resp.status_code
+    if status in (401, 403):  # the endpoint refused *our* key: not the caller's fault
+        return ExchangeError(Outcome.FAILURE, 503, "replica_unauthorized",
+                             f"replica {replica.id}: "
+                             f"{_refused_key(getattr(replica, 'protected', False), status)}")
     if status == 504:
         return ExchangeError(Outcome.TIMEOUT, 504, "deadline_exceeded",
                              f"replica {replica.id}: {message}")
@@ -351,10 +363,12 @@ class AttachedReplica(HttpReplica):
 
     kind = "attached"
 
-    def __init__(self, *args, endpoint: str, model: str) -> None:
+    def __init__(self, *args, endpoint: str, model: str, api_key: str | None = None) -> None:
         super().__init__(*args)
         self.endpoint, self.model = endpoint, model
-        self.client = httpx.AsyncClient(base_url=endpoint, limits=httpx.Limits(
+        self.protected = api_key is not None
+        headers = {"authorization": f"Bearer {api_key}"} if api_key is not None else {}
+        self.client = httpx.AsyncClient(base_url=endpoint, headers=headers, limits=httpx.Limits(
             max_connections=64, max_keepalive_connections=64))
         self._task: asyncio.Task | None = None
 
@@ -367,7 +381,12 @@ class AttachedReplica(HttpReplica):
             try:
                 health = await self.client.get("/health", timeout=PROBE_TIMEOUT_S)
                 if health.status_code == 200:
-                    models = (await self.client.get("/v1/models", timeout=5)).json()
+                    listing = await self.client.get("/v1/models", timeout=5)
+                    if listing.status_code in (401, 403):
+                        self.transition("unauthorized", _refused_key(self.protected,
+                                                                     listing.status_code))
+                        return
+                    models = listing.json()
                     entry = next((m for m in models.get("data", [])
                                   if m.get("id") == self.model), None)
                     if entry is None:

@@ -105,3 +105,37 @@ def test_rayservice_example_uses_our_builder_and_a_config_we_accept():
     for group in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         for c in group["template"]["spec"]["containers"]:
             assert c["resources"]["requests"] == c["resources"]["limits"]
+
+
+def _containers() -> list[tuple[str, dict]]:
+    out = [(d["metadata"]["name"], c) for d in kind("Deployment")
+           for c in d["spec"]["template"]["spec"]["containers"]]
+    ray = yaml.safe_load((K8S.parent / "ray" / "rayservice.yaml").read_text())
+    cluster = ray["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        out += [("rayservice", c) for c in group["template"]["spec"]["containers"]]
+    return out
+
+
+def _secret_env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+@pytest.mark.parametrize(("name", "container"), _containers(), ids=lambda x: x
+                         if isinstance(x, str) else x["name"])
+def test_every_pod_takes_the_api_key_from_a_secret_never_a_literal(name, container):
+    """Issue 11 item 4: the key reaches every front end (serve pods, the attaching front end,
+    Ray's containers) from the Secret, required, and no manifest spells a key out."""
+    ref = _secret_env(container).get("VLLM_SRUN_API_KEY")
+    assert ref == {"name": "vllm-srun-api-key", "key": "key"}, container.get("env")
+    assert not [e for e in container.get("env", []) if e["name"].endswith("KEY")
+                and "value" in e]
+
+
+def test_the_front_end_sends_each_attached_pod_a_key_named_by_variable():
+    front = next(d for d in kind("Deployment") if d["metadata"]["name"] == "vllm-srun-frontend")
+    (container,) = front["spec"]["template"]["spec"]["containers"]
+    placements = [r for d in _config_of(front).deployments.values() for r in d.placements()]
+    assert placements and all(r.api_key_env for r in placements)
+    assert {r.api_key_env for r in placements} <= set(_secret_env(container))

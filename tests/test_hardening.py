@@ -140,7 +140,7 @@ def test_fuzzed_config_documents_are_accepted_or_refused_naming_the_key(document
 @given(st.text(max_size=20))
 def test_fuzzed_environment_values_are_accepted_or_refused_naming_the_variable(value):
     from vllm_srun.runtime.budget import THREADS_ENV, configured_threads
-    from vllm_srun.server.cli import API_KEY_ENV, api_key
+    from vllm_srun.server.auth import API_KEY_ENV, api_key
     from vllm_srun.server.pool import DISPATCH_ENV, dispatch_mode
     from vllm_srun.tuner.modes import ADAPTIVE_ENV, MAX_THREADS_ENV, max_threads, parse_mode
 
@@ -203,9 +203,9 @@ def test_api_key_protects_inference_and_inventory_in_constant_time():
         server.close()
     import inspect
 
-    from vllm_srun.server import app
+    from vllm_srun.server import auth
 
-    assert "hmac.compare_digest" in inspect.getsource(app.RequireApiKey)
+    assert "hmac.compare_digest" in inspect.getsource(auth.RequireApiKey)
 
 
 @pytest.mark.parametrize("value", ["short", "has space inside", "tab\there-long"])

@@ -6,6 +6,7 @@ workers from the installed code, as an editable install and as a wheel."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -63,9 +64,12 @@ def test_serve_from_a_folder_of_look_alike_modules_editable_install(tmp_path):
 
 
 def test_the_wheel_installs_only_vllm_srun_and_serves_from_a_hostile_folder(tmp_path):
+    source = tmp_path / "source"  # built from a copy: a build leaves build/ in its tree
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", "results", ".*_cache"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                             "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
-                            str(ROOT)], capture_output=True, text=True, timeout=300)
+                            str(source)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("vllm_srun-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -17,6 +17,7 @@ from tests.conftest import L6
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="ray is not installed: pip install 'vllm-srun[ray]'")
 
+RAY_KEY = "ray-app-secret-1"
 TEXTS = [f"ray request {i} " + "word " * (i % 30) for i in range(40)]
 
 
@@ -31,8 +32,10 @@ def ray_app(tmp_path_factory):
     import ray
     from ray import serve
 
+    # the actors' environment carries the key, as the Secret does on KubeRay
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+             _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": {"VLLM_SRUN_API_KEY": RAY_KEY}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     from tests.test_pool import write_config
@@ -69,10 +72,25 @@ def test_http_through_rays_proxy_reaches_the_openai_api(ray_app):
     import httpx
 
     _, url = ray_app
-    r = httpx.post(url + "/v1/embeddings", json={"input": ["hello", "world"]}, timeout=60)
+    auth = {"authorization": f"Bearer {RAY_KEY}"}
+    r = httpx.post(url + "/v1/embeddings", json={"input": ["hello", "world"]}, headers=auth,
+                   timeout=60)
     assert r.status_code == 200 and len(r.json()["data"]) == 2
-    bad = httpx.post(url + "/v1/embeddings", json={"input": []}, timeout=60)
+    bad = httpx.post(url + "/v1/embeddings", json={"input": []}, headers=auth, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+
+
+def test_the_ray_app_honours_the_api_key_on_the_path_rays_proxy_routes(ray_app):
+    """Issue 11 item 4: $VLLM_SRUN_API_KEY guards HTTP through Ray's proxy as it guards
+    vllm-srun serve; /health stays open for probes."""
+    import httpx
+
+    _, url = ray_app
+    for headers in ({}, {"authorization": "Bearer wrong-key-123"}):
+        r = httpx.post(url + "/v1/embeddings", json={"input": "hello"}, headers=headers,
+                       timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
 
 
 def test_bytes_router_reserves_on_choice_and_releases_on_completion():
