@@ -218,7 +218,8 @@ def create_app(state: ServerState):
             return _error(exc)
         except ExchangeError as exc:
             state.metrics.requests.labels(endpoint, exc.code).inc()
-            return _error(ApiError(exc.status, exc.code, exc.message))
+            named = {REPLICA_HEADER: exc.replica_id} if exc.replica_id else None
+            return _error(ApiError(exc.status, exc.code, exc.message, named))
         except RuntimeFault as exc:
             status, code = fault_status(exc)
             if status >= 500:

@@ -178,6 +178,7 @@ class DeploymentPool:
                 if outcome is Outcome.TIMEOUT and caller_shorter:
                     outcome = Outcome.DEADLINE
                 self._settle(replica, nbytes, outcome)
+                exc.replica_id = replica.id
                 tried.add(replica.id)
                 if exc.retry_elsewhere and len(tried) < 2 and any(
                         r.state == "ready" and r.id not in tried for r in self.replicas):
@@ -378,6 +379,7 @@ class Pool:
                 else:
                     rep = self._new_replica(name, dep, placement, manifest,
                                             replica_key_path(name, dep, index))
+                    rep.expected_revision = info.revision
                     fresh.append(rep)
                     replicas.append(rep)
                     policy.add(rep.id)

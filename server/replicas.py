@@ -46,6 +46,7 @@ class ExchangeError(Exception):
         super().__init__(message)
         self.outcome, self.status, self.code, self.message = outcome, status, code, message
         self.retry_elsewhere = retry_elsewhere  # nothing was done: another replica may try
+        self.replica_id: str | None = None  # who answered with this error, once dispatched
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Replica(abc.ABC):
         self.reason: str | None = "starting"
         self.restarts = 0
         self.limits: dict[str, int] | None = None
+        self.expected_revision: str | None = None  # the deployment's artifact revision
         self.pid: int | None = None
         self._on_transition = on_transition
         self._ready_event = asyncio.Event()
@@ -86,9 +88,14 @@ class Replica(abc.ABC):
             self._ready_event.set()
         self._on_transition(self, state, reason or "")
 
-    def _check_limits(self, limits: dict[str, int] | None) -> None:
-        """Ready, or incompatible when the worker reports limits other than those set."""
+    def _check_limits(self, limits: dict[str, int] | None, revision: str | None = None) -> None:
+        """Ready, or incompatible when the worker reports limits other than those set (R5.4)
+        or serves another revision of the artifact than its deployment's."""
         self.limits = limits
+        if self.expected_revision and revision and revision != self.expected_revision:
+            return self.transition("incompatible", f"serves revision {revision} of the "
+                                                   f"artifact; the deployment's is "
+                                                   f"{self.expected_revision}")
         if limits is not None:
             wrong = [f"{k}={limits.get(k)} (set {v})" for k, v in self.expected_limits.items()
                      if limits.get(k) != v]
@@ -290,14 +297,18 @@ class ProcessReplica(HttpReplica):
         self.pid = self.proc.pid
 
     async def _wait_healthy(self) -> dict | None:
-        """Poll /health until the worker is ready; None if it exits or takes too long."""
+        """Poll /health until the worker is ready (its health body) or says a start-up check
+        refused it (``{"check_failed": reason}``); None if it exits or takes too long."""
         end = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < end and self.proc.returncode is None:
             try:
                 resp = await self.client.get("/health", timeout=PROBE_TIMEOUT_S)
                 if resp.status_code == 200:
                     return resp.json()
-            except httpx.TransportError:
+                err = resp.json().get("error", {})
+                if err.get("code") == "check_failed":
+                    return {"check_failed": str(err.get("message"))}
+            except (httpx.TransportError, ValueError, AttributeError):
                 pass
             await asyncio.sleep(0.1)
         return None
@@ -309,8 +320,12 @@ class ProcessReplica(HttpReplica):
             await self._spawn()
             started = time.monotonic()
             health = await self._wait_healthy()
-            if health is not None and not self._stopping:
-                self._check_limits(health.get("limits"))
+            if health is not None and "check_failed" in health and not self._stopping:
+                # deterministic (the golden check): kept out of dispatch with its reason,
+                # not restarted into the same refusal
+                self.transition("failed", health["check_failed"])
+            elif health is not None and not self._stopping:
+                self._check_limits(health.get("limits"), health.get("revision"))
             elif self.proc.returncode is None and not self._stopping:
                 self.proc.kill()
             rc = await self.proc.wait()
@@ -395,7 +410,7 @@ class AttachedReplica(HttpReplica):
                         return
                     limits = {k: entry[k] for k in ("max_num_seqs", "max_num_batched_tokens")
                               if isinstance(entry.get(k), int)}
-                    self._check_limits(limits or None)
+                    self._check_limits(limits or None, entry.get("revision"))
                     return
                 reason = f"endpoint /health answered {health.status_code}"
             except (httpx.TransportError, ValueError, AttributeError) as exc:

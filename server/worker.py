@@ -83,8 +83,10 @@ def create_worker_app(deployment, state: dict):
 
     async def health(_request: Request) -> Response:
         runner = state.get("runner")
-        if runner is None or not runner.ready:
+        if runner is None:
             return error(503, "not_ready", state.get("reason", "loading"))
+        if not runner.ready:  # loaded, but a start-up check (the golden check) refused it
+            return error(503, "check_failed", state.get("reason", "not ready"))
         a = runner.args
         return Response(orjson.dumps({
             "status": "ok", "model": runner.manifest.name, "revision": runner.manifest.revision,
