@@ -54,6 +54,15 @@ class ServerOptions:
     api_key: str | None = None  # Bearer key for /v1/* (None: open)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """What the HTTP protocol needs to refuse overload itself (``server/refusal.py``)."""
+
+    refuses: Callable[..., bool]  # (raw path[, headers]) -> refuse now?
+    count: Callable[[bytes], None]
+    body: bytes
+
+
 class AdmissionGate:
     """ASGI: when every replica is full, inference requests get their 429 before FastAPI
     reads, parses or routes them, so refusing a flood costs the front end little and the
@@ -65,12 +74,19 @@ class AdmissionGate:
         self.app, self.state = app, state
         self.body = orjson.dumps(error_body(
             "overloaded", "every ready replica has 32 requests in flight"))
+        self._counters = {path: state.metrics.requests.labels(
+            path.decode().rsplit("/", 1)[-1], "overloaded") for path in self.PATHS}
+
+    def refuses(self, path: bytes) -> bool:
+        """The rule: an inference path while no replica can admit one more request."""
+        return path in self.PATHS and self.state.pool.saturated()
+
+    def count(self, path: bytes) -> None:
+        self._counters[path].inc()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].encode() in self.PATHS \
-                and self.state.pool.saturated():
-            self.state.metrics.requests.labels(scope["path"].rsplit("/", 1)[-1],
-                                               "overloaded").inc()
+        if scope["type"] == "http" and self.refuses(path := scope["path"].encode()):
+            self.count(path)
             await send({"type": "http.response.start", "status": 429, "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(self.body)).encode()), (b"retry-after", b"1")]})
@@ -91,6 +107,7 @@ class ServerState:
         self.pool = Pool(pool_options, self.metrics, on_forward=self.metrics.record_forward,
                          on_load_failure=on_load_failure)
         self._reload_config = reload_config
+        self.refusal: Refusal | None = None  # set by create_app, for the HTTP protocol
 
     async def start(self) -> None:
         await self.pool.start(self._config)
@@ -338,6 +355,12 @@ def create_app(state: ServerState):
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     gated = AdmissionGate(app, state)
-    if state.options.api_key:
-        return RequireApiKey(gated, state.options.api_key)
-    return gated
+    if not state.options.api_key:
+        state.refusal = Refusal(lambda path, _headers: gated.refuses(path), gated.count,
+                                gated.body)
+        return gated
+    guarded = RequireApiKey(gated, state.options.api_key)
+    # a caller the key refuses gets its 401, not a 429, even while every replica is full
+    state.refusal = Refusal(lambda path, headers: gated.refuses(path) and guarded.allows(
+        headers), gated.count, gated.body)
+    return guarded

@@ -36,17 +36,20 @@ class RequireApiKey:
         self.app = app
         self.expected = b"Bearer " + key.encode()
 
+    def allows(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        given = next((v for k, v in headers if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self.expected)
+
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = orjson.dumps(error_body(
-                    "unauthorized", "missing or wrong API key: send 'Authorization: Bearer "
-                                    "<key>' (see --api-key / VLLM_SRUN_API_KEY)"))
-                await send({"type": "http.response.start", "status": 401, "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                return
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") \
+                and not self.allows(scope["headers"]):
+            body = orjson.dumps(error_body(
+                "unauthorized", "missing or wrong API key: send 'Authorization: Bearer "
+                                "<key>' (see --api-key / VLLM_SRUN_API_KEY)"))
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": body})
+            return
         await self.app(scope, receive, send)

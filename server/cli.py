@@ -177,6 +177,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from vllm_srun.server.app import ServerOptions, ServerState, create_app
     from vllm_srun.server.config import check_placement
     from vllm_srun.server.pool import PoolOptions, dispatch_mode
+    from vllm_srun.server.refusal import refusing_protocol
     from vllm_srun.tuner.modes import max_threads, parse_mode
 
     if args.mkl_cbwr:
@@ -223,8 +224,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
                         ServerOptions(max_body_bytes=args.max_body_bytes,
                                       api_key=api_key(args.api_key)), on_load_failure,
                         reload_config if args.config else None)
-    uv_config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
-                               http="httptools", loop="uvloop", timeout_graceful_shutdown=5)
+    app = create_app(state)
+    protocol = refusing_protocol(state.refusal.refuses, state.refusal.body, state.refusal.count)
+    uv_config = uvicorn.Config(app, log_level="warning", access_log=False, http=protocol,
+                               loop="uvloop", timeout_graceful_shutdown=5)
     server = uvicorn.Server(uv_config)
     server_box.append(server)
     shown = f"[{host}]" if ":" in host else host
