@@ -26,7 +26,7 @@ MODEL = "all-MiniLM-L6-v2"
 
 def start_server(extra: list[str]) -> Proc:
     port = free_port()
-    return Proc([sys.executable, "-m", "vllm_srun.server.cli", "serve", MODEL, "--port",
+    return Proc([sys.executable, "-m", "vllm_srun.server", "serve", MODEL, "--port",
                  str(port), "--cache-entries", "0", "--log-level", "warning", *extra],
                 f"http://127.0.0.1:{port}")
 

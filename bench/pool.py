@@ -148,7 +148,7 @@ def memory_case(work: Path) -> list[dict]:
     for backend in ("onnxruntime", "torch"):
         for threads, top, mode in (("1", "1", "0"), ("2", "2", "0"), ("1", "2", "1")):
             port = free_port()
-            proc = Proc([os.sys.executable, "-m", "vllm_srun.server.cli", "serve", MODEL,
+            proc = Proc([os.sys.executable, "-m", "vllm_srun.server", "serve", MODEL,
                          "--backend", backend, "--threads", threads, "--max-threads", top, "--port",
                          str(port), "--log-level", "warning"], f"http://127.0.0.1:{port}",
                         env={"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode,

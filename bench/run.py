@@ -122,7 +122,7 @@ def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[
             own = f"{record}.{port}"  # each server learns from scratch, keeping the voucher
             shutil.copy(record, own)
             env = {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": mode, "VLLM_SRUN_RECORD": own}
-            proc = Proc([py, "-m", "vllm_srun.server.cli", "serve", MODEL, "--port", str(port),
+            proc = Proc([py, "-m", "vllm_srun.server", "serve", MODEL, "--port", str(port),
                          "--cache-entries", "0", "--log-level", "warning", *flags],
                         f"http://127.0.0.1:{port}", env=env)
             if mode != "0":  # learn from paced traffic first (shadows run in its pauses)
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     record = str(out / "bench-record.sqlite")
     for suffix in ("", "-wal", "-shm"):
         Path(record + suffix).unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "vllm_srun.server.cli", "threads", "verify", MODEL,
+    subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify", MODEL,
                     "--threads", "1", "--max-threads", "2", "--record", record],
                    check=True, capture_output=True)  # the voucher mode 2 needs
     duration = 1.5 if args.quick else 8.0

@@ -9,7 +9,8 @@
     ├── DeadlineExceeded   the caller's deadline or timeout_ms passed before an answer
     └── EngineStopped      the engine is shutting down or has failed
 
-Foreign exceptions are translated at the boundary with ``raise ... from exc``.
+Foreign exceptions are translated at the boundary with ``raise ... from exc``. Each fault
+carries the R7.2 ``code`` a caller sees; which HTTP status that is, is the front end's to say.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 class RuntimeFault(Exception):
     """Base of every error the runtime raises on purpose."""
+
+    code = "internal_error"
 
 
 class ConfigError(RuntimeFault):
@@ -30,6 +33,8 @@ class ArtifactError(RuntimeFault):
 class InputError(RuntimeFault):
     """A request input is invalid; the message names the field."""
 
+    code = "invalid_request"
+
 
 class InputTooLong(InputError):
     """An input has more tokens than the model's limit and truncation was not asked for."""
@@ -38,10 +43,16 @@ class InputTooLong(InputError):
 class Unsupported(RuntimeFault):
     """The artifact or backend cannot do what was asked (e.g. classify without a head)."""
 
+    code = "unsupported"
+
 
 class DeadlineExceeded(RuntimeFault):
     """The deadline passed before the answer was ready."""
 
+    code = "deadline_exceeded"
+
 
 class EngineStopped(RuntimeFault):
     """The engine is not running."""
+
+    code = "not_ready"

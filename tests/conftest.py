@@ -65,7 +65,7 @@ class Server:
         options = [*(["--faults", str(faults)] if faults is not None else []),
                    *(["--fake-gpus"] if fake_gpus else [])]
         launcher = (["-m", "tests.faults", *options, "serve"] if options
-                    else ["-m", "vllm_srun.server.cli", "serve"])
+                    else ["-m", "vllm_srun.server", "serve"])
         cmd = [sys.executable, *launcher, *args, "--port", "0", "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})

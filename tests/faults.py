@@ -81,13 +81,14 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"tests.faults: unknown option {argv[0]!r}")
     role, rest = argv[0], argv[1:]
     if role == "serve":
-        from vllm_srun.server import cli, replicas
+        from vllm_srun.server.frontend import cli
+        from vllm_srun.server.pool.replicas import process
 
-        replicas.WORKER_COMMAND = (sys.executable, "-P", os.path.abspath(__file__), *options,
+        process.WORKER_COMMAND = (sys.executable, "-P", os.path.abspath(__file__), *options,
                                    "worker")
         return cli.main(["serve", *rest])
     if role == "worker":
-        from vllm_srun.server import worker
+        from vllm_srun.server.worker import main as worker
 
         rid = _replica_id(rest)
         wrap = (lambda b: inject_faults(b, folder, rid)) if folder else None

@@ -12,7 +12,7 @@ import yaml
 
 from tests.conftest import L3, Server, wait_until
 from vllm_srun.runtime.errors import ConfigError
-from vllm_srun.server.config import check_endpoint_keys, validate
+from vllm_srun.server.pool.config import check_endpoint_keys, validate
 
 UPSTREAM_KEY = "upstream-secret-1"
 
@@ -49,7 +49,7 @@ def test_an_unset_key_variable_is_a_startup_error_naming_key_and_variable(tmp_pa
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(doc({"d": attached("http://127.0.0.1:9", "NOT_SET_KEY")},
                                        "d")))
-    out = subprocess.run([sys.executable, "-m", "vllm_srun.server.cli", "serve", "--config",
+    out = subprocess.run([sys.executable, "-m", "vllm_srun.server", "serve", "--config",
                           str(path), "--port", "0"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "NOT_SET_KEY is not set" in out.stderr

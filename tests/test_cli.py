@@ -10,7 +10,7 @@ import pytest
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vllm_srun.server.cli", *args],
+    return subprocess.run([sys.executable, "-m", "vllm_srun.server", *args],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
 

@@ -7,7 +7,7 @@ import yaml
 
 from tests.test_cli import run_cli
 from vllm_srun.runtime.errors import ConfigError
-from vllm_srun.server.config import apply_flags, check_placement, load, single, validate
+from vllm_srun.server.pool.config import apply_flags, check_placement, load, single, validate
 
 # The seed's two examples, as written.
 SEED_PLACEMENT = """

@@ -10,7 +10,7 @@ import yaml
 
 from tests.test_budget import _v2
 from vllm_srun.runtime.budget import cgroup_cpus, cpu_budget, default_threads
-from vllm_srun.server.config import check_placement, parse_device, validate
+from vllm_srun.server.pool.config import check_placement, parse_device, validate
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))
@@ -97,7 +97,7 @@ def test_rayservice_example_uses_our_builder_and_a_config_we_accept():
     doc = yaml.safe_load((K8S.parent / "ray" / "rayservice.yaml").read_text())
     assert doc["kind"] == "RayService"
     (app,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
-    assert app["import_path"] == "vllm_srun.server.ray_serve:app_builder"
+    assert app["import_path"] == "vllm_srun.server.frontend.ray_serve:app_builder"
     cm_name = doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
         "volumes"][0]["configMap"]["name"]
     cm = next(c for c in kind("ConfigMap") if c["metadata"]["name"] == cm_name)

@@ -127,7 +127,7 @@ _documents = st.fixed_dictionaries({"global": st.fixed_dictionaries(
 @settings(max_examples=300 if FUZZ_EXAMPLES < 100 else 5000, deadline=None)
 @given(_documents)
 def test_fuzzed_config_documents_are_accepted_or_refused_naming_the_key(document):
-    from vllm_srun.server.config import validate
+    from vllm_srun.server.pool.config import validate
 
     try:
         validate(document)
@@ -140,8 +140,8 @@ def test_fuzzed_config_documents_are_accepted_or_refused_naming_the_key(document
 @given(st.text(max_size=20))
 def test_fuzzed_environment_values_are_accepted_or_refused_naming_the_variable(value):
     from vllm_srun.runtime.budget import THREADS_ENV, configured_threads
-    from vllm_srun.server.auth import API_KEY_ENV, api_key
-    from vllm_srun.server.pool import DISPATCH_ENV, dispatch_mode
+    from vllm_srun.server.frontend.auth import API_KEY_ENV, api_key
+    from vllm_srun.server.pool.pool import DISPATCH_ENV, dispatch_mode
     from vllm_srun.tuner.modes import ADAPTIVE_ENV, MAX_THREADS_ENV, max_threads, parse_mode
 
     checks = [(THREADS_ENV, lambda env: configured_threads(4, None, env)),
@@ -164,7 +164,7 @@ def test_fuzzed_environment_values_are_accepted_or_refused_naming_the_variable(v
 
 
 def test_yaml_bombs_and_binary_config_files_are_refused(tmp_path):
-    from vllm_srun.server.config import load
+    from vllm_srun.server.pool.config import load
 
     bomb = "a: &a [x, x, x]\nb: &b [*a, *a, *a]\nc: &c [*b, *b, *b]\nglobal: [*c, *c]\n"
     for text, data in (("bomb", bomb.encode()), ("binary", b"\xff\xfe\x00garbage")):
@@ -203,7 +203,7 @@ def test_api_key_protects_inference_and_inventory_in_constant_time():
         server.close()
     import inspect
 
-    from vllm_srun.server import auth
+    from vllm_srun.server.frontend import auth
 
     assert "hmac.compare_digest" in inspect.getsource(auth.RequireApiKey)
 
@@ -217,7 +217,7 @@ def test_bad_api_key_is_a_startup_error(value):
 
 
 def test_public_server_binds_loopback_by_default():
-    from vllm_srun.server.cli import build_parser
+    from vllm_srun.server.frontend.cli import build_parser
 
     assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
 
@@ -255,7 +255,7 @@ def test_record_writer_on_a_full_disk_fails_clearly_and_keeps_what_it_committed(
 
 def test_server_with_a_full_disk_for_its_record_keeps_serving(tmp_path):
     record = tmp_path / "r.sqlite"
-    cmd = [sys.executable, "-m", "vllm_srun.server.cli", "serve", L3, "--threads", "1",
+    cmd = [sys.executable, "-m", "vllm_srun.server", "serve", L3, "--threads", "1",
            "--max-threads", "2", "--record", str(record), "--port", "0", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"},
@@ -359,7 +359,7 @@ def test_ten_times_capacity_gets_fast_429s_and_leaks_nothing(tmp_path):
 
 
 def test_yaml_config_round_trips_through_safe_dump_only():
-    from vllm_srun.server.config import single
+    from vllm_srun.server.pool.config import single
 
     text = single(L6).to_yaml()
     assert "!!python" not in text and yaml.safe_load(text)["global"]["model_catalog"]

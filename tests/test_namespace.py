@@ -80,7 +80,7 @@ def test_the_wheel_installs_only_vllm_srun_and_serves_from_a_hostile_folder(tmp_
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(site), str(wheel)], check=True, capture_output=True, timeout=300)
     env = {"PYTHONPATH": str(site)}
-    where = subprocess.run([sys.executable, "-P", "-c", "import vllm_srun.server.worker as w;"
+    where = subprocess.run([sys.executable, "-P", "-c", "import vllm_srun.server.worker.main as w;"
                             "print(w.__file__)"], cwd=tmp_path, capture_output=True, text=True,
                            env={**os.environ, **env}, check=True)
     assert where.stdout.strip().startswith(str(site)), where.stdout  # the wheel, not the tree

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_srun.server.outlier import Outcome, OutlierPolicy, OutlierSettings
+from vllm_srun.server.pool.outlier import Outcome, OutlierPolicy, OutlierSettings
 
 T, S, F = Outcome.TIMEOUT, Outcome.SUCCESS, Outcome.FAILURE
 

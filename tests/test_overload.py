@@ -40,6 +40,8 @@ def full(tmp_path_factory):
     for t in hung:
         t.join(timeout=90)
     server.close()
+    errors = server.proc.stderr.read()
+    assert "Traceback" not in errors, errors[-3000:]  # e.g. a refused connection's close
 
 
 def raw(url: str, payload: bytes) -> bytes:
@@ -91,6 +93,13 @@ def test_a_caller_without_the_key_gets_401_not_429_while_full(full):
                                headers={"authorization": "Bearer wrong-key-0"})
     assert wrong.status_code == 401
     assert b"HTTP/1.1 401" in raw(server.url, request(None, version="1.0"))
+
+
+def test_a_refused_connection_closed_by_its_client_is_cleaned_up(full):
+    server, _ = full
+    for _ in range(3):
+        assert raw(server.url, request(KEY)).startswith(b"HTTP/1.1 429")  # then closed
+    assert server.client.get("/health").status_code == 200
 
 
 def test_refusals_are_counted_in_metrics(full):

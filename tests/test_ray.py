@@ -39,7 +39,7 @@ def ray_app(tmp_path_factory):
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     from tests.test_pool import write_config
-    from vllm_srun.server.ray_serve import app_builder
+    from vllm_srun.server.frontend.ray_serve import app_builder
 
     config = write_config(tmp_path_factory.mktemp("cfg") / "config.yaml", {"primary": {
         "artifact": L6, "replicas": [{"device": "cpu"}] * 2,
@@ -98,7 +98,7 @@ def test_bytes_router_reserves_on_choice_and_releases_on_completion():
     import asyncio
     from types import SimpleNamespace
 
-    from vllm_srun.server.ray_serve import FewestBytesRouter
+    from vllm_srun.server.frontend.ray_serve import FewestBytesRouter
 
     router = FewestBytesRouter.__new__(FewestBytesRouter)
     router.initialize_state()

@@ -34,10 +34,11 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from vllm_srun.server.pool.backoff import REPLICA_BACKOFF
+from vllm_srun.server.pool.states import ReplicaState
+
 log = logging.getLogger("vllm_srun.pool")
 
-BACKOFF_START_S = 0.1
-BACKOFF_MAX_S = 3.2
 
 
 class Outcome(enum.StrEnum):
@@ -148,8 +149,7 @@ class OutlierPolicy:
             self._maybe_eject(h, now, set(ready))
 
     def _backoff(self, h: ReplicaHealth, now: float, outcome: Outcome) -> None:
-        h.backoff_s = BACKOFF_START_S if h.backoff_s == 0 else min(2 * h.backoff_s,
-                                                                    BACKOFF_MAX_S)
+        h.backoff_s = REPLICA_BACKOFF.next(h.backoff_s)
         h.backoff_until = now + h.backoff_s
         h.probe_due = True
         self._emit(Event("replica_backoff", h.replica_id, now,
@@ -228,14 +228,14 @@ class OutlierPolicy:
                 first.append(rid)
         return [first] if first else [rest]
 
-    def state_of(self, replica_id: str) -> str | None:
+    def state_of(self, replica_id: str) -> ReplicaState | None:
         """``ejected``, ``backoff`` or None (for inventory)."""
         h = self.replicas.get(replica_id)
         if h is None:
             return None
         now = self.clock()
         if h.ejected(now):
-            return "ejected"
+            return ReplicaState.EJECTED
         if h.backing_off(now):
-            return "backoff"
+            return ReplicaState.BACKOFF
         return None

@@ -1,4 +1,5 @@
-"""Awaiting an engine's answer from asyncio: shared by the front end and worker processes."""
+"""Awaiting an engine's answer from asyncio: shared by the worker process and the in-process
+worker of the one-worker shorthand."""
 
 from __future__ import annotations
 
@@ -8,30 +9,10 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from vllm_srun.runtime.errors import (
-    DeadlineExceeded,
-    EngineStopped,
-    InputError,
-    RuntimeFault,
-    Unsupported,
-)
+from vllm_srun.runtime.errors import DeadlineExceeded
 from vllm_srun.runtime.runner import Runner
 
 OFFLOAD_CHARS = 20_000  # tokenize bigger requests off the event loop
-
-_FAULT_TO_STATUS: list[tuple[type[Exception], int, str]] = [
-    (InputError, 400, "invalid_request"),
-    (Unsupported, 422, "unsupported"),
-    (DeadlineExceeded, 504, "deadline_exceeded"),
-    (EngineStopped, 503, "not_ready"),
-    (RuntimeFault, 500, "internal_error"),
-]
-
-
-def fault_status(exc: RuntimeFault) -> tuple[int, str]:
-    """The R7.2 status and code of a runtime fault."""
-    return next((s, c) for t, s, c in _FAULT_TO_STATUS if isinstance(exc, t))
-
 
 async def run(runner: Runner, texts: list[str], truncate: bool,
                deadline: float | None) -> tuple[np.ndarray, int]:

@@ -1,11 +1,11 @@
-"""Assembling one worker's deployment: artifact, backend, engine arguments and, when asked,
-the adaptive thread tuner with its host record."""
+"""Assembling one worker (a ``Worker``): artifact, backend, engine arguments and, when asked,
+the adaptive thread tuner with its host record. The same assembly runs in a worker process
+and, for the one-worker shorthand, in the front end's process."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_srun.records.host_record import HostRecord, HostRecordError, Scope, default_record_path
@@ -16,31 +16,14 @@ from vllm_srun.runtime.device import is_gpu
 from vllm_srun.runtime.host import host_fingerprint
 from vllm_srun.runtime.paths import data_dir
 from vllm_srun.runtime.runner import Runner
-from vllm_srun.runtime.types import EngineArgs, ForwardRecord, Manifest
-from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
+from vllm_srun.runtime.types import ForwardRecord, Manifest
+from vllm_srun.server.worker.spec import WorkerSpec
+from vllm_srun.tuner.adaptive import AdaptiveThreads
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
 from vllm_srun.tuner.report import build, from_tuner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeploymentSpec:
-    model: str
-    backend: str
-    args: EngineArgs
-    budget: int
-    mode: AdaptiveMode = AdaptiveMode.OFF
-    max_threads: int | None = None
-    record_path: str | None = None
-    settings: TunerSettings | None = None
-    device: str = "cpu"
-    # batch limits the deployment set; None = calibrate at start (R3.2). ``args`` holds
-    # provisional values until then.
-    set_max_num_seqs: int | None = None
-    set_max_num_batched_tokens: int | None = None
-    calibrate: bool = False
 
 
 def record_path(spec_path: str | None) -> Path:
@@ -60,10 +43,10 @@ def scope_for(manifest: Manifest, backend: Backend, budget: int) -> Scope:
     return Scope(fingerprint, manifest.revision, backend.name.value)
 
 
-class Deployment:
+class Worker:
     """Builds and starts the Runner of a spec; keeps the tuner for reports."""
 
-    def __init__(self, spec: DeploymentSpec, manifest: Manifest | None = None,
+    def __init__(self, spec: WorkerSpec, manifest: Manifest | None = None,
                  wrap_backend: Callable[[Backend], Backend] | None = None) -> None:
         self.spec = spec
         self.wrap_backend = wrap_backend

@@ -11,7 +11,7 @@ import sys
 from vllm_srun.runtime.artifact import BUILTIN_MODELS, DEFAULT_MODEL
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
 from vllm_srun.runtime.types import BackendName
-from vllm_srun.server.auth import api_key
+from vllm_srun.server.frontend.auth import api_key
 
 log = logging.getLogger("vllm_srun")
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "thread counts on hosts where they otherwise drift")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
-    from vllm_srun.server.threads_cli import add_threads_commands
+    from vllm_srun.server.frontend.threads_cli import add_threads_commands
 
     add_threads_commands(sub, _add_threads_flags)
     config = sub.add_parser("config", help="the canonical config the flags and file make")
@@ -122,7 +122,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     """The canonical config: the file (if any) with the flags written into it."""
     from vllm_srun.runtime import device
-    from vllm_srun.server.config import apply_flags, load
+    from vllm_srun.server.pool.config import apply_flags, load
 
     if args.cache_entries is not None and args.cache_entries < 0:
         raise ConfigError(f"--cache-entries must be >= 0, got {args.cache_entries}")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             sys.stdout.write(config_from_args(args).to_yaml())
             return 0
-        from vllm_srun.server.threads_cli import run_threads
+        from vllm_srun.server.frontend.threads_cli import run_threads
 
         return run_threads(args)
     except RuntimeFault as exc:
@@ -174,17 +174,16 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     from vllm_srun.runtime import device
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
-    from vllm_srun.server.app import ServerOptions, ServerState, create_app
-    from vllm_srun.server.config import check_placement
-    from vllm_srun.server.pool import PoolOptions, dispatch_mode
-    from vllm_srun.server.refusal import refusing_protocol
+    from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
+    from vllm_srun.server.pool.config import check_placement
+    from vllm_srun.server.pool.pool import PoolOptions, dispatch_mode
     from vllm_srun.tuner.modes import max_threads, parse_mode
 
     if args.mkl_cbwr:
         if args.backend != BackendName.TORCH.value:
             raise ConfigError("--mkl-cbwr applies to the torch backend only (--backend torch)")
         if os.environ.get("MKL_CBWR") != "AUTO":  # MKL reads it once, when torch loads
-            os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server.cli", *argv],
+            os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server", *argv],
                       {**os.environ, "MKL_CBWR": "AUTO"})
     config = config_from_args(args)
     uses_gpu = any(device.is_gpu(r.device or "cpu") for d in config.deployments.values()
@@ -224,10 +223,9 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
                         ServerOptions(max_body_bytes=args.max_body_bytes,
                                       api_key=api_key(args.api_key)), on_load_failure,
                         reload_config if args.config else None)
-    app = create_app(state)
-    protocol = refusing_protocol(state.refusal.refuses, state.refusal.body, state.refusal.count)
-    uv_config = uvicorn.Config(app, log_level="warning", access_log=False, http=protocol,
-                               loop="uvloop", timeout_graceful_shutdown=5)
+    uv_config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
+                               http=state.admission.protocol(), loop="uvloop",
+                               timeout_graceful_shutdown=5)
     server = uvicorn.Server(uv_config)
     server_box.append(server)
     shown = f"[{host}]" if ":" in host else host
@@ -243,7 +241,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 def _check_deployments(config) -> None:
     """Resolve each managed deployment's artifact and check its set limits, naming the key."""
     from vllm_srun.runtime.artifact import resolve
-    from vllm_srun.server.config import check_endpoint_keys
+    from vllm_srun.server.pool.config import check_endpoint_keys
 
     check_endpoint_keys(config)
     for name, dep in config.deployments.items():

@@ -42,7 +42,7 @@ def _ensure_cbwr(args: argparse.Namespace) -> None:
     if args.backend != BackendName.TORCH.value:
         raise ConfigError("--mkl-cbwr applies to the torch backend only (--backend torch)")
     if os.environ.get("MKL_CBWR") != "AUTO":
-        os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server.cli",
+        os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server",
                                    *sys.argv[1:]],
                   {**os.environ, "MKL_CBWR": "AUTO"})
 
@@ -54,7 +54,7 @@ def run_threads(args: argparse.Namespace) -> int:
 
 
 def _open(args: argparse.Namespace):
-    from vllm_srun.server.deployment import open_record, record_path
+    from vllm_srun.server.worker.assembly import open_record, record_path
 
     path = record_path(args.record)
     record, error = open_record(path)
@@ -71,7 +71,7 @@ def _verify(args: argparse.Namespace) -> int:
     from vllm_srun.runtime.backend import load_backend
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
     from vllm_srun.runtime.threads import ThreadContext
-    from vllm_srun.server.deployment import scope_for
+    from vllm_srun.server.worker.assembly import scope_for
     from vllm_srun.tuner.modes import allowed_counts, max_threads
     from vllm_srun.tuner.verify import sweep, sweep_batches
 

@@ -1,14 +1,14 @@
-"""Prometheus metrics of one server (a registry per server, so tests can run several)."""
+"""Prometheus metrics of one front end (a registry per server, so tests can run several), and
+``/metrics`` as one page: the front end's own families, then every worker's forward metrics
+(labelled by ``replica``; in-process or not), each family once."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Iterable
 
-from vllm_srun.runtime.sizes import range_label
-from vllm_srun.runtime.types import ForwardRecord
-
-_FORWARD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 
 class Metrics:
@@ -16,18 +16,6 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("vllm_srun_requests", "HTTP inference requests by outcome",
                                 ["endpoint", "outcome"], registry=self.registry)
-        self.forward_seconds = Histogram(
-            "vllm_srun_forward_seconds", "Forward time by input-size range (padded tokens) "
-            "and intra-op thread count", ["size_range", "num_threads"],
-            buckets=_FORWARD_BUCKETS, registry=self.registry)
-        self.batch_rows = Histogram("vllm_srun_batch_rows", "Rows per forward",
-                                    buckets=_ROW_BUCKETS, registry=self.registry)
-        self.batch_requests = Histogram("vllm_srun_batch_requests",
-                                        "Requests sharing one forward",
-                                        buckets=_ROW_BUCKETS, registry=self.registry)
-        self.cache_hits = Gauge("vllm_srun_cache_hit_rows",
-                                "Rows answered from the result cache since start",
-                                registry=self.registry)
         self.exchanges = Counter("vllm_srun_replica_exchanges",
                                  "Requests dispatched to a replica, by outcome (success, "
                                  "timeout, deadline, failure, refused, cancelled, neutral, "
@@ -53,11 +41,8 @@ class Metrics:
         self.ready = Gauge("vllm_srun_ready", "1 when the model is loaded and warm",
                            registry=self.registry)
 
-    def record_forward(self, rec: ForwardRecord) -> None:
-        self.forward_seconds.labels(range_label(rec.padded_tokens),
-                                    str(rec.num_threads)).observe(rec.forward_s)
-        self.batch_rows.observe(rec.rows)
-        self.batch_requests.observe(rec.requests)
+    def exchange(self, deployment: str, replica: str, outcome: str) -> None:
+        self.exchanges.labels(deployment, replica, outcome).inc()
 
     def pool_event(self, kind: str, deployment: str, replica: str) -> None:
         counter = {"replica_ejected": self.ejections, "replica_readmitted": self.readmissions,
@@ -75,5 +60,31 @@ class Metrics:
                 self.replica_state.labels(*labels, r["state"]).set(1)
                 self.restarts.labels(*labels).set(r["restarts"])
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, worker_texts: Iterable[str] = ()) -> bytes:
+        """This front end's families, then the workers' (merged per family)."""
+        return generate_latest(self.registry) + merge_families(worker_texts)
+
+
+class _Families(Collector):
+    def __init__(self, families) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def merge_families(texts: Iterable[str]) -> bytes:
+    """Several workers' exposition texts as one, each metric family once (their samples
+    differ by the ``replica`` label each worker sets)."""
+    merged: dict = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = family
+    if not merged:
+        return b""
+    registry = CollectorRegistry()
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)

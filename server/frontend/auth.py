@@ -11,7 +11,7 @@ import os
 import orjson
 
 from vllm_srun.runtime.errors import ConfigError
-from vllm_srun.server.schemas import error_body
+from vllm_srun.server.worker.protocol import error_body
 
 API_KEY_ENV = "VLLM_SRUN_API_KEY"
 

@@ -1,4 +1,4 @@
-"""Request bodies at the HTTP edge (pydantic), and the error body shape of R7.2."""
+"""Request bodies at the HTTP edge (pydantic)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,3 @@ class ClassifyBody(BaseModel):
     model: StrictStr | None = None
     truncate: StrictBool = False
     top_k: StrictInt | None = Field(default=None, ge=1)
-
-
-def error_body(code: str, message: str) -> dict:
-    return {"error": {"code": code, "message": message}}

@@ -5,7 +5,7 @@ deployment inside the actor. Ray places and scales the actors; each actor's CPU 
 its thread budget (``num_cpus`` = threads, and the ``OMP_NUM_THREADS`` Ray sets from it), so
 a worker never sizes itself from the node's cores.
 
-    from vllm_srun.server.ray_serve import build
+    from vllm_srun.server.frontend.ray_serve import build
     serve.run(build("all-MiniLM-L6-v2", threads=2, num_replicas=4))
 
 ``check_health`` reports our own readiness (golden check, load failures). HTTP through Ray's
@@ -28,6 +28,7 @@ from ray.serve.request_router import RequestRouter
 
 from vllm_srun.runtime.budget import cpu_budget
 from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.server.pool import dispatch
 
 
 def actor_budget() -> int:
@@ -63,8 +64,11 @@ class FewestBytesRouter(RequestRouter):
         self._seq = itertools.count(1)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
-        ranked = sorted(candidate_replicas, key=lambda r: (
-            self.outstanding[r.replica_id], self.last_assigned.get(r.replica_id, 0)))
+        # the pool's own dispatch order (R5.2), over Ray's candidates; Ray enforces the
+        # admission limit itself (max_ongoing_requests)
+        ranked = sorted(candidate_replicas, key=lambda r: dispatch.order_key(dispatch.Load(
+            r.replica_id, 0, self.outstanding[r.replica_id],
+            self.last_assigned.get(r.replica_id, 0))))
         if pending_request is not None and ranked:
             rid = ranked[0].replica_id
             key = pending_request.metadata.internal_request_id
@@ -93,10 +97,10 @@ class Engine:
 
     def __init__(self, model: str, backend: str = "onnxruntime", threads: int = 1,
                  max_num_seqs: int = 32, timeout_ms: int = 30_000) -> None:
-        from vllm_srun.server.app import ServerOptions, ServerState, create_app
-        from vllm_srun.server.auth import api_key
-        from vllm_srun.server.config import EngineConfig, single
-        from vllm_srun.server.pool import PoolOptions
+        from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
+        from vllm_srun.server.frontend.auth import api_key
+        from vllm_srun.server.pool.config import EngineConfig, single
+        from vllm_srun.server.pool.pool import PoolOptions
 
         self.budget = actor_budget()
         if threads > self.budget:
@@ -163,7 +167,7 @@ def build(model: str, threads: int = 1, num_replicas: int = 1, num_gpus: float =
           backend: str = "onnxruntime", bytes_router: bool = False, **engine):
     """A Ray Serve application: ``num_replicas`` engines of ``threads`` threads each
     (``num_cpus`` = threads), at most 32 requests in flight per engine."""
-    options = {"num_replicas": num_replicas, "max_ongoing_requests": 32,
+    options = {"num_replicas": num_replicas, "max_ongoing_requests": dispatch.MAX_IN_FLIGHT,
                "ray_actor_options": {"num_cpus": threads, "num_gpus": num_gpus},
                "health_check_period_s": 5}
     if bytes_router:
@@ -180,7 +184,7 @@ def from_config(path: str, bytes_router: bool = False):
     arguments; one Ray replica per configured replica (CPU replicas get ``num_cpus`` =
     ``engine.num_threads``, GPU replicas one GPU each)."""
     from vllm_srun.runtime.device import is_gpu
-    from vllm_srun.server.config import load
+    from vllm_srun.server.pool.config import load
 
     config = load(path)
     dep = config.deployments[config.bound]
@@ -196,8 +200,8 @@ def from_config(path: str, bytes_router: bool = False):
 
 
 def app_builder(args: dict):
-    """``import_path: vllm_srun.server.ray_serve:app_builder`` for ``serve run`` and KubeRay's
-    RayService: ``args`` is ``{"config": PATH}`` or ``build``'s keywords."""
+    """``import_path: vllm_srun.server.frontend.ray_serve:app_builder`` for ``serve run`` and
+    KubeRay's RayService: ``args`` is ``{"config": PATH}`` or ``build``'s keywords."""
     args = dict(args)
     if "config" in args:
         return from_config(args.pop("config"), bool(args.pop("bytes_router", False)))

@@ -1,0 +1,192 @@
+"""The public HTTP API (R7.1): one handler per route. Each inference handler reads the
+request (``requests.py``), dispatches through the pool and shapes the answer; every error
+answer comes from the one table in ``errors.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.runtime.types import Task
+from vllm_srun.server.frontend.errors import REPLICA_HEADER, ApiError, http_error
+from vllm_srun.server.frontend.requests import caller_deadline, parse, read_body, texts_of
+from vllm_srun.server.frontend.schemas import ClassifyBody, EmbeddingsBody
+from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
+from vllm_srun.server.pool.errors import ExchangeError, PoolError
+from vllm_srun.server.worker.protocol import error_body
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def json_response(payload: object, status: int = 200,
+                  headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), status,
+                    headers=headers, media_type="application/json")
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The request body in the OpenAPI document (handlers parse the raw body themselves, for
+    speed and for R7.2 errors), so clients and fuzzers see the real contract."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def answer(request: Request, endpoint: str,
+                 work: Callable[[], Awaitable[Response]]) -> Response:
+    """Run one inference handler's work; count its outcome; turn errors into answers."""
+    metrics = request.app.state.server.metrics
+    try:
+        response = await work()
+    except (ApiError, PoolError, ExchangeError, RuntimeFault) as exc:
+        err = http_error(exc)
+        if err.status >= 500 and isinstance(exc, RuntimeFault):
+            log.warning("request_failed endpoint=%s code=%s error=%s", endpoint, err.code, exc)
+        metrics.requests.labels(endpoint, err.code).inc()
+        return json_response(error_body(err.code, err.message), err.status, err.headers)
+    metrics.requests.labels(endpoint, "ok").inc()
+    return response
+
+
+async def infer(request: Request, dep: DeploymentPool, texts: list[str],
+                truncate: bool) -> tuple[np.ndarray, int, dict[str, str]]:
+    """Dispatch; rows, prompt tokens and the header naming the replica that answered."""
+    out, tokens, replica = await dep.infer(texts, truncate, caller_deadline(request))
+    return out, tokens, {REPLICA_HEADER: replica}
+
+
+def usage(tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def check_embedder(info: ModelInfo, dimensions: int | None) -> None:
+    if info.task is not Task.EMBED:
+        raise ApiError("unsupported", f"model {info.name!r} is a classifier; use /v1/classify")
+    if dimensions is not None and info.hidden_size is not None \
+            and dimensions != info.hidden_size:
+        raise ApiError("unsupported", f"dimensions must be {info.hidden_size} for "
+                                      f"{info.name!r}, got {dimensions}")
+
+
+@router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingsBody))
+async def embeddings(request: Request) -> Response:
+    server = request.app.state.server
+
+    async def work() -> Response:
+        body = parse(await read_body(request, server.options.max_body_bytes), EmbeddingsBody)
+        dep = server.pool.deployment_for(body.model)
+        texts = texts_of(body.input)
+        check_embedder(dep.info, body.dimensions)
+        vectors, tokens, headers = await infer(request, dep, texts, body.truncate)
+        if body.encoding_format == "base64":
+            data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+        else:
+            data = list(vectors)
+        return json_response({"object": "list", "model": dep.info.name,
+                              "data": [{"object": "embedding", "index": i, "embedding": e}
+                                       for i, e in enumerate(data)],
+                              "usage": usage(tokens)}, headers=headers)
+    return await answer(request, "embeddings", work)
+
+
+def class_scores(logits: np.ndarray, labels: tuple[str, ...], top_k: int | None) -> list[dict]:
+    """Softmax over each row's logits: the best label and the top-k scores, best first."""
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs = shifted / shifted.sum(axis=1, keepdims=True)
+    k = min(top_k or len(labels), len(labels))
+    out = []
+    for i, p in enumerate(probs):
+        order = np.argsort(-p, kind="stable")[:k]
+        out.append({"index": i, "label": labels[order[0]], "score": float(p[order[0]]),
+                    "scores": [{"label": labels[j], "score": float(p[j])} for j in order]})
+    return out
+
+
+@router.post("/v1/classify", openapi_extra=body_schema(ClassifyBody))
+async def classify(request: Request) -> Response:
+    server = request.app.state.server
+
+    async def work() -> Response:
+        body = parse(await read_body(request, server.options.max_body_bytes), ClassifyBody)
+        dep = server.pool.deployment_for(body.model)
+        texts = texts_of(body.input)
+        if dep.info.task is not Task.CLASSIFY:
+            raise ApiError("unsupported", f"model {dep.info.name!r} has no classification "
+                                          "head; use /v1/embeddings")
+        logits, tokens, headers = await infer(request, dep, texts, body.truncate)
+        return json_response({"object": "list", "model": dep.info.name,
+                              "data": class_scores(logits, dep.info.labels, body.top_k),
+                              "usage": usage(tokens)}, headers=headers)
+    return await answer(request, "classify", work)
+
+
+def model_entry(dep: DeploymentPool, local_threads: int | None) -> dict:
+    m = dep.info
+    entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "vllm-srun",
+             "deployment": dep.name, "revision": m.revision, "task": m.task.value,
+             "max_tokens": m.max_tokens, "dimensions": m.hidden_size,
+             "backend": dep.config.backend or "onnxruntime", "replicas": len(dep.replicas)}
+    limits = [r.limits for r in dep.replicas if r.state == "ready" and r.limits]
+    if limits and all(x == limits[0] for x in limits):
+        entry.update(limits[0])  # what an attaching pool checks (R5.4)
+    if local_threads is not None:
+        entry["num_threads"] = local_threads
+    return entry
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    pool = request.app.state.server.pool
+    local = pool.local_replica()
+    data = [model_entry(dep, local.runner.args.num_threads if local is not None
+                        and local in dep.replicas and local.runner is not None else None)
+            for dep in list(pool.deployments.values())]
+    return json_response({"object": "list", "data": data})
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    server = request.app.state.server
+    ok, reason = server.ready()
+    if not ok:
+        return json_response(error_body("not_ready", reason), 503)
+    return json_response({"status": "ok", "model": server.pool.deployment_for(None).info.name})
+
+
+@router.get("/v1/threads")
+async def threads(request: Request) -> Response:
+    pool = request.app.state.server.pool
+    local = pool.local_replica()
+    if local is not None:
+        return json_response(await local.threads_report())
+    out = {}
+    for dep in list(pool.deployments.values()):
+        reports = await asyncio.gather(*(r.threads_report() for r in dep.replicas))
+        out[dep.name] = {r.id: rep for r, rep in zip(dep.replicas, reports, strict=True)}
+    return json_response({"deployments": out})
+
+
+@router.get("/v1/inventory")
+async def inventory(request: Request) -> Response:
+    return json_response(request.app.state.server.pool.inventory())
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """The front end's metrics and every worker's forward metrics, labelled by replica."""
+    server = request.app.state.server
+    server.metrics.pool_snapshot(server.pool.inventory())
+    server.ready()
+    texts = await asyncio.gather(*(r.metrics_text() for r in server.pool.replicas()))
+    return Response(server.metrics.render(t for t in texts if t),
+                    media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,88 @@
+"""The wire protocol between the pool and a managed worker: one module both sides import.
+
+HTTP over the worker's owner-only Unix socket (R7.3):
+
+- ``GET /health``: 200 with :func:`health_body` once loaded and checked; 503 with an error body
+  while loading (code ``not_ready``) or when a start-up check refused it (``check_failed``).
+- ``POST /work``: a JSON :class:`Work` -> ``application/octet-stream`` little-endian float32
+  rows, with ``x-rows``, ``x-dim`` and ``x-tokens`` headers; an error is an R7.2 error body.
+- ``GET /threads``: the worker's adaptive-threads report (JSON).
+- ``GET /metrics``: the worker's own Prometheus metrics (forward time by size and count).
+
+Errors carry the R7.2 ``code`` the caller will see; the worker's HTTP status only sorts them
+for the exchange (input, not ready, deadline, failure): the status a caller gets is the front
+end's to choose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+WORK, HEALTH, THREADS, METRICS = "/work", "/health", "/threads", "/metrics"
+CHECK_FAILED = "check_failed"
+
+# how a worker answers each kind of error on the socket (the exchange's classification)
+_STATUS = {"not_ready": 503, CHECK_FAILED: 503, "deadline_exceeded": 504,
+           "internal_error": 500}
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol; the text names what is wrong."""
+
+
+def error_body(code: str, message: str) -> dict:
+    """The R7.2 error body: ``{"error": {"code", "message"}}``."""
+    return {"error": {"code": code, "message": message}}
+
+
+def error_status(code: str) -> int:
+    """The worker's status for an error: 400 for anything the request got wrong."""
+    return _STATUS.get(code, 400)
+
+
+@dataclass(frozen=True)
+class Work:
+    texts: list[str]
+    truncate: bool
+    timeout_ms: int
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"texts": self.texts, "truncate": self.truncate,
+                             "timeout_ms": self.timeout_ms})
+
+    @classmethod
+    def decode(cls, body: bytes) -> Work:
+        try:
+            raw = orjson.loads(body)
+            texts, truncate, timeout_ms = raw["texts"], raw.get("truncate", False), \
+                int(raw["timeout_ms"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad worker request: {exc!r}") from None
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ProtocolError("bad worker request: texts must be a list of strings")
+        return cls(texts, bool(truncate), timeout_ms)
+
+
+def encode_rows(rows: np.ndarray, tokens: int) -> tuple[bytes, dict[str, str]]:
+    rows = rows.astype("<f4", copy=False)
+    return rows.tobytes(), {"x-rows": str(rows.shape[0]), "x-dim": str(rows.shape[1]),
+                            "x-tokens": str(tokens)}
+
+
+def decode_rows(content: bytes, headers) -> tuple[np.ndarray, int]:
+    try:
+        n, dim, tokens = (int(headers[k]) for k in ("x-rows", "x-dim", "x-tokens"))
+        return np.frombuffer(content, dtype="<f4").reshape(n, dim), tokens
+    except (KeyError, ValueError) as exc:
+        raise ProtocolError(f"bad worker answer: {exc!r}") from None
+
+
+def health_body(model: str, revision: str, device: str, pid: int, num_threads: int,
+                max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+    return {"status": "ok", "model": model, "revision": revision, "device": device,
+            "pid": pid, "num_threads": num_threads,
+            "limits": {"max_num_seqs": max_num_seqs,
+                       "max_num_batched_tokens": max_num_batched_tokens}}

@@ -1,0 +1,46 @@
+"""What one worker runs (the pool's order to a worker): a frozen dataclass, written to the
+worker process as JSON by the pool and read back by the worker, or handed to an in-process
+worker as it is."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import orjson
+
+from vllm_srun.runtime.types import EngineArgs
+from vllm_srun.tuner.adaptive import TunerSettings
+from vllm_srun.tuner.modes import AdaptiveMode
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: str
+    backend: str
+    args: EngineArgs
+    budget: int
+    mode: AdaptiveMode = AdaptiveMode.OFF
+    max_threads: int | None = None
+    record_path: str | None = None
+    settings: TunerSettings | None = None  # in-process only (tests): not sent to a process
+    device: str = "cpu"
+    # batch limits the deployment set; None = calibrate at start (R3.2). ``args`` holds
+    # provisional values until then.
+    set_max_num_seqs: int | None = None
+    set_max_num_batched_tokens: int | None = None
+    calibrate: bool = True
+
+    def to_json(self) -> str:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name != "settings"}
+        fields["args"] = dataclasses.asdict(self.args)
+        fields["mode"] = int(self.mode)
+        return orjson.dumps(fields).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        raw = orjson.loads(text)
+        raw["args"] = EngineArgs(**raw["args"])
+        raw["mode"] = AdaptiveMode(raw["mode"])
+        return cls(**raw)
