@@ -1,6 +1,7 @@
-"""The HTTP front end (R7.1, R7.2): OpenAI-compatible embeddings, classify, models, health,
-metrics. Errors are JSON ``{"error": {"code", "message"}}``; bad input never reaches a
-worker and never costs another request its answer.
+"""The HTTP front end (R7.1, R7.2, R7.4): OpenAI-compatible embeddings, classify (sequence and
+token classification), rerank, models, health, metrics. Errors are JSON
+``{"error": {"code", "message"}}``; bad input never reaches a worker and never costs another
+request its answer.
 """
 
 from __future__ import annotations
@@ -32,7 +33,20 @@ from vllm_srun.server.config import Config
 from vllm_srun.server.metrics import Metrics
 from vllm_srun.server.pool import DeploymentPool, Pool, PoolError, PoolOptions
 from vllm_srun.server.replicas import ExchangeError
-from vllm_srun.server.schemas import MAX_INPUTS, ClassifyBody, EmbeddingsBody, error_body
+from vllm_srun.server.schemas import (
+    MAX_INPUTS,
+    ClassifyBody,
+    EmbeddingsBody,
+    RerankBody,
+    error_body,
+)
+from vllm_srun.server.tasks import (
+    RerankInputError,
+    entities_answer,
+    rerank_answer,
+    rerank_pairs,
+    task_mismatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +73,7 @@ class AdmissionGate:
     reads, parses or routes them, so refusing a flood costs the front end little and the
     admitted requests keep their share of the event loop."""
 
-    PATHS = (b"/v1/embeddings", b"/v1/classify")
+    PATHS = (b"/v1/embeddings", b"/v1/classify", b"/v1/rerank")
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -206,10 +220,10 @@ def _deadline(request: Request) -> float | None:
     return time.monotonic() + int(raw) / 1000
 
 
-async def _infer(dep: DeploymentPool, texts: list[str], truncate: bool,
-                 deadline: float | None) -> tuple[np.ndarray, int, dict[str, str]]:
+async def _infer(dep: DeploymentPool, texts: list, truncate: bool, deadline: float | None,
+                 field: str = "input") -> tuple[np.ndarray, int, dict[str, str]]:
     """Dispatch; returns rows, prompt tokens and the header naming the replica that answered."""
-    out, tokens, replica = await dep.infer(texts, truncate, deadline)
+    out, tokens, replica = await dep.infer(texts, truncate, deadline, field)
     return out, tokens, {REPLICA_HEADER: replica}
 
 
@@ -264,9 +278,8 @@ def create_app(state: ServerState):
             dep = state.pool.deployment_for(body.model)
             texts = _texts(body.input)
             manifest = dep.info
-            if manifest.task is not Task.EMBED:
-                raise ApiError(422, "unsupported",
-                               f"model {manifest.name!r} is a classifier; use /v1/classify")
+            if (wrong := task_mismatch(manifest.name, manifest.task, "embeddings")) is not None:
+                raise ApiError(422, "unsupported", wrong)
             if body.dimensions is not None and manifest.hidden_size is not None \
                     and body.dimensions != manifest.hidden_size:
                 raise ApiError(422, "unsupported", f"dimensions must be {manifest.hidden_size} "
@@ -291,11 +304,15 @@ def create_app(state: ServerState):
             dep = state.pool.deployment_for(body.model)
             texts = _texts(body.input)
             manifest = dep.info
-            if manifest.task is not Task.CLASSIFY:
-                raise ApiError(422, "unsupported", f"model {manifest.name!r} has no "
-                               "classification head; use /v1/embeddings")
+            if (wrong := task_mismatch(manifest.name, manifest.task, "classify")) is not None:
+                raise ApiError(422, "unsupported", wrong)
             logits, tokens, headers = await _infer(dep, texts, body.truncate,
                                                    _deadline(request))
+            if manifest.task is Task.TOKEN_CLASSIFY:  # entity spans per input (R7.4)
+                data = entities_answer(manifest, texts, body.truncate, logits)
+                return _json({"object": "list", "model": manifest.name, "data": data,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                             headers=headers)
             shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
             probs = shifted / shifted.sum(axis=1, keepdims=True)
             top_k = min(body.top_k or len(manifest.labels), len(manifest.labels))
@@ -310,6 +327,25 @@ def create_app(state: ServerState):
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                          headers=headers)
         return await handle("classify", work)
+
+    @app.post("/v1/rerank", openapi_extra=_body_schema(RerankBody))
+    async def rerank(request: Request) -> Response:
+        async def work() -> Response:
+            body = _parse(await _read_body(request, state.options.max_body_bytes), RerankBody)
+            dep = state.pool.deployment_for(body.model)
+            try:
+                pairs = rerank_pairs(body)
+            except RerankInputError as exc:
+                code = "too_large" if exc.status == 413 else "invalid_request"
+                raise ApiError(exc.status, code, str(exc)) from None
+            manifest = dep.info
+            if (wrong := task_mismatch(manifest.name, manifest.task, "rerank")) is not None:
+                raise ApiError(422, "unsupported", wrong)
+            scores, tokens, headers = await _infer(dep, pairs, body.truncate,
+                                                   _deadline(request), field="documents")
+            return _json(rerank_answer(manifest.name, body, pairs, scores, tokens),
+                         headers=headers)
+        return await handle("rerank", work)
 
     @app.get("/v1/models")
     async def models() -> Response:

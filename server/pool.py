@@ -29,7 +29,7 @@ import numpy as np
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.budget import configured_threads
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
-from vllm_srun.runtime.types import EngineArgs, Task
+from vllm_srun.runtime.types import EngineArgs, Task, TextInput, input_chars
 from vllm_srun.server.config import Config, DeploymentConfig, ReplicaConfig
 from vllm_srun.server.deployment import Deployment, DeploymentSpec
 from vllm_srun.server.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
@@ -148,8 +148,9 @@ class DeploymentPool:
         self._count(self.name, replica.id, outcome.value)
         self.policy.report(replica.id, outcome, self.ready_ids())
 
-    async def infer(self, texts: list[str], truncate: bool,
-                    caller_deadline: float | None = None) -> tuple[np.ndarray, int, str]:
+    async def infer(self, texts: list[TextInput], truncate: bool,
+                    caller_deadline: float | None = None,
+                    field: str = "input") -> tuple[np.ndarray, int, str]:
         """Dispatch one request as one unit; returns (rows, prompt tokens, replica id).
 
         The exchange's deadline is the deployment's ``timeout_ms`` or the caller's own
@@ -161,12 +162,12 @@ class DeploymentPool:
         if deadline <= time.monotonic():  # no exchange: it neither counts nor resets
             raise ExchangeError(Outcome.NOT_SENT, 504, "deadline_exceeded",
                                 "deadline passed before the request reached a replica")
-        nbytes = sum(len(t) for t in texts)
+        nbytes = input_chars(texts)
         tried: set[str] = set()
         while True:
             replica = self.pick(nbytes, frozenset(tried))
             try:
-                out, tokens = await replica.call(texts, truncate, deadline)
+                out, tokens = await replica.call(texts, truncate, deadline, field)
             except ExchangeError as exc:
                 outcome = exc.outcome
                 if outcome is Outcome.TIMEOUT and caller_shorter:

@@ -26,6 +26,7 @@ import orjson
 
 from vllm_srun.runtime.device import is_gpu
 from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.runtime.types import TextInput
 from vllm_srun.server.bridge import fault_status, run
 from vllm_srun.server.outlier import Outcome
 
@@ -117,9 +118,10 @@ class Replica(abc.ABC):
         """One health probe: True when the replica says it is ready."""
 
     @abc.abstractmethod
-    async def call(self, texts: list[str], truncate: bool,
-                   deadline: float) -> tuple[np.ndarray, int]:
-        """One exchange: (rows, prompt tokens), or ExchangeError saying how it ended."""
+    async def call(self, texts: list[TextInput], truncate: bool, deadline: float,
+                   field: str = "input") -> tuple[np.ndarray, int]:
+        """One exchange: (rows, prompt tokens), or ExchangeError saying how it ended.
+        ``texts`` may hold text pairs (reranking); ``field`` names them in errors."""
 
     async def threads_report(self) -> dict:
         return {"notes": [f"{self.kind} replicas manage their own threads"]}
@@ -169,12 +171,12 @@ class LocalReplica(Replica):
     async def probe(self) -> bool:
         return self.runner is not None and self.runner.ready
 
-    async def call(self, texts, truncate, deadline):
+    async def call(self, texts, truncate, deadline, field="input"):
         if deadline <= time.monotonic():  # no exchange: it neither counts nor resets (R5.5)
             raise ExchangeError(Outcome.NOT_SENT, 504, "deadline_exceeded",
                                 "deadline passed before the request reached the engine")
         try:
-            return await run(self.runner, texts, truncate, deadline)
+            return await run(self.runner, texts, truncate, deadline, field)
         except RuntimeFault as exc:
             status, code = fault_status(exc)
             outcome = {504: Outcome.TIMEOUT, 503: Outcome.FAILURE,
@@ -187,7 +189,8 @@ class LocalReplica(Replica):
 
 def _decode_rows(resp: httpx.Response) -> tuple[np.ndarray, int]:
     rows, dim = int(resp.headers["x-rows"]), int(resp.headers["x-dim"])
-    out = np.frombuffer(resp.content, dtype="<f4").reshape(rows, dim)
+    shape = (rows, int(resp.headers["x-len"]), dim) if "x-len" in resp.headers else (rows, dim)
+    out = np.frombuffer(resp.content, dtype="<f4").reshape(shape)
     return out, int(resp.headers["x-tokens"])
 
 
@@ -327,10 +330,10 @@ class ProcessReplica(HttpReplica):
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
 
-    async def call(self, texts, truncate, deadline):
+    async def call(self, texts, truncate, deadline, field="input"):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         payload = orjson.dumps({"texts": texts, "truncate": truncate,
-                                "timeout_ms": remaining_ms})
+                                "timeout_ms": remaining_ms, "field": field})
         resp = await _send(self, self.client, "/work", payload,
                            {"content-type": "application/json"}, deadline)
         if resp.status_code != 200:
@@ -390,7 +393,7 @@ class AttachedReplica(HttpReplica):
             self._task.cancel()
         await self.client.aclose()
 
-    async def call(self, texts, truncate, deadline):
+    async def call(self, texts, truncate, deadline, field="input"):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         payload = orjson.dumps({"model": self.model, "input": texts, "truncate": truncate,
                                 "encoding_format": "base64"})

@@ -31,5 +31,25 @@ class ClassifyBody(BaseModel):
     top_k: StrictInt | None = Field(default=None, ge=1)
 
 
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: StrictStr
+
+
+class RerankBody(BaseModel):
+    """A rerank request as Cohere, Jina, infinity and text-embeddings-inference clients send
+    it (R7.4): documents are strings or ``{"text": ...}`` objects."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument]
+    model: StrictStr | None = None
+    top_n: StrictInt | None = Field(default=None, ge=1)
+    return_documents: StrictBool = False
+    truncate: StrictBool = False
+
+
 def error_body(code: str, message: str) -> dict:
     return {"error": {"code": code, "message": message}}

@@ -15,7 +15,10 @@ Worker API (the pool is its only client):
   the pool also counts timeouts (R5.6).
 - ``POST /work``: ``{"texts": [...], "truncate": bool, "timeout_ms": int}`` ->
   ``application/octet-stream`` float32 rows, with ``x-rows``, ``x-dim``, ``x-tokens``
-  headers; errors are R7.2 JSON bodies with their status.
+  headers; errors are R7.2 JSON bodies with their status. A text may be a ``[query,
+  document]`` pair (reranking, R7.4), and ``"field"`` names the inputs in errors (default
+  ``input``). Per-token answers (token classification) add ``x-len``: the body is float32
+  ``[x-rows, x-len, x-dim]``, each row zero-padded after its own tokens.
 - ``GET /threads``: this worker's adaptive-threads report.
 
 Fault injection is not reachable from here (R9.2): :func:`main` takes a ``wrap_backend``
@@ -67,6 +70,22 @@ def build_spec(raw: dict):
                           calibrate=True)
 
 
+def wire_inputs(items: object) -> list:
+    """The ``texts`` of a work request: strings, or [text, text] pairs (a reranker's rows)."""
+    if not isinstance(items, list):
+        raise TypeError("texts must be a list")
+    out: list = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+        elif (isinstance(item, list) and len(item) == 2
+              and all(isinstance(t, str) for t in item)):
+            out.append((item[0], item[1]))
+        else:
+            raise TypeError("each of texts must be a string or a [text, text] pair")
+    return out
+
+
 def create_worker_app(deployment, state: dict):
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -99,19 +118,23 @@ def create_worker_app(deployment, state: dict):
             return error(503, "not_ready", state.get("reason", "loading"))
         try:
             body = orjson.loads(await request.body())
-            texts, truncate = body["texts"], bool(body.get("truncate", False))
+            texts = wire_inputs(body["texts"])
+            truncate, field = bool(body.get("truncate", False)), str(body.get("field", "input"))
             timeout_ms = int(body["timeout_ms"])
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             return error(400, "invalid_request", f"bad worker request: {exc}")
         try:
-            out, tokens = await run(runner, texts, truncate, time.monotonic() + timeout_ms / 1000)
+            out, tokens = await run(runner, texts, truncate,
+                                    time.monotonic() + timeout_ms / 1000, field)
         except RuntimeFault as exc:
             status, code = fault_status(exc)
             return error(status, code, str(exc))
         out = out.astype("<f4", copy=False)
-        return Response(out.tobytes(), media_type="application/octet-stream",
-                        headers={"x-rows": str(out.shape[0]), "x-dim": str(out.shape[1]),
-                                 "x-tokens": str(tokens)})
+        headers = {"x-rows": str(out.shape[0]), "x-dim": str(out.shape[-1]),
+                   "x-tokens": str(tokens)}
+        if out.ndim == 3:  # per-token answers: [rows, x-len, x-dim]
+            headers["x-len"] = str(out.shape[1])
+        return Response(out.tobytes(), media_type="application/octet-stream", headers=headers)
 
     async def threads(_request: Request) -> Response:
         return Response(orjson.dumps(deployment.threads_report(state.get("runner"))),
