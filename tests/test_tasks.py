@@ -168,3 +168,35 @@ def test_modernbert_serves_8192_tokens_within_1e5(modernbert_dir, backend):
         runner.stop()
     assert tokens == 8192 + 6 + 3602 + 3
     assert np.abs(ours - _st_reference(modernbert_dir, texts)).max() < 1e-5
+
+
+@pytest.mark.parametrize("fixture", ["token_classifier_dir", "cross_encoder_dir"])
+def test_adaptive_threads_check_and_shadow_the_new_tasks(fixture, request, tmp_path):
+    """R4.3, R4.5 for R7.4's tasks: the start-up golden check passes on per-token answers
+    (rows of different lengths) and on pair rows, and mode-1 shadow passes at another count
+    reproduce the served answers bit for bit (onnxruntime, exact across counts here)."""
+    from tests.test_adaptive import FAST, wait_for
+    from vllm_srun.records.host_record import HostRecord, Scope
+    from vllm_srun.runtime.backend import load_backend
+    from vllm_srun.tuner.adaptive import AdaptiveThreads
+    from vllm_srun.tuner.golden import golden_rows
+    from vllm_srun.tuner.modes import AdaptiveMode
+
+    manifest = resolve(str(request.getfixturevalue(fixture)))
+    backend = load_backend(manifest, "onnxruntime")
+    runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0))
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2),
+                            Scope("test-host", manifest.revision, "onnxruntime"),
+                            HostRecord(tmp_path / "r.sqlite"), runner.engine.forward_batch, FAST)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    try:
+        assert runner.ready, runner.not_ready_reason
+        inputs = ([(QUERY, d) for d in DOCUMENTS] if manifest.task is Task.RERANK
+                  else NER_TEXTS)
+        for _ in range(4):
+            runner.submit(inputs)[0].result(timeout=60)
+            wait_for(lambda: not tuner._jobs, 30)
+    finally:
+        runner.stop()
+    assert tuner.comparisons >= 2 and tuner.retired is None
