@@ -354,7 +354,8 @@ def create_app(state: ServerState):
             m = dep.info
             entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "vllm-srun",
                      "deployment": dep.name, "revision": m.revision, "task": m.task.value,
-                     "max_tokens": m.max_tokens, "dimensions": m.hidden_size,
+                     "max_tokens": m.max_tokens,
+                     "dimensions": m.hidden_size if m.task is Task.EMBED else None,
                      "backend": dep.config.backend or "onnxruntime",
                      "replicas": len(dep.replicas)}
             limits = [r.limits for r in dep.replicas if r.state == "ready" and r.limits]
