@@ -1,9 +1,10 @@
 """R7.4 end to end over real HTTP, by real ``vllm-srun serve`` processes, on tiny real
 weights: ``/v1/rerank`` (Cohere/Jina shape) on a cross-encoder served in process, and a
 config of managed worker processes serving a token classifier (entity spans on
-``/v1/classify``), a cross-encoder (text pairs over the worker wire) and a ModernBERT embedder
-with a 4,096-token input. Answers equal the reference libraries'; bad input gets its R7.2
-error naming the field; ``/v1/models`` reports each model's task.
+``/v1/classify``), a cross-encoder (text pairs over the worker wire), a ModernBERT embedder
+with a 4,096-token input and an XLM-RoBERTa embedder. Answers equal the reference
+libraries'; bad input gets its R7.2 error naming the field; ``/v1/models`` reports each
+model's task.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def test_a_reranker_refuses_classify_and_embeddings(rerank_server):
 
 # -- managed worker processes, one deployment per task -------------------------------------
 @pytest.fixture(scope="module")
-def task_server(tmp_path_factory, token_classifier_dir, cross_encoder_dir, modernbert_dir):
+def task_server(tmp_path_factory, token_classifier_dir, cross_encoder_dir, modernbert_dir,
+                xlmr_dir):
     def deployment(folder, backend: str) -> dict:
         return {"provider": "model_runtime", "artifact": str(folder), "backend": backend,
                 "replicas": [{"device": "cpu"}],
@@ -111,7 +113,8 @@ def task_server(tmp_path_factory, token_classifier_dir, cross_encoder_dir, moder
     doc = {"global": {"router": {"enabled": False}, "model_catalog": {"deployments": {
         "ner": deployment(token_classifier_dir, "onnxruntime"),
         "ce": deployment(cross_encoder_dir, "torch"),
-        "mb": deployment(modernbert_dir, "torch")}},
+        "mb": deployment(modernbert_dir, "torch"),
+        "xlmr": deployment(xlmr_dir, "onnxruntime")}},
         "system": {"decision_model": {"deployment": "ner"}}}}
     path = tmp_path_factory.mktemp("tasks-config") / "config.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -125,8 +128,8 @@ def test_models_report_each_task_and_limit(task_server):
     with calibrated limits that hold one row of it."""
     data = {m["deployment"]: m for m in task_server.client.get("/v1/models").json()["data"]}
     assert {k: m["task"] for k, m in data.items()} == \
-        {"ner": "token_classify", "ce": "rerank", "mb": "embed"}
-    assert data["mb"]["max_tokens"] == 8192
+        {"ner": "token_classify", "ce": "rerank", "mb": "embed", "xlmr": "embed"}
+    assert data["mb"]["max_tokens"] == 8192 and data["xlmr"]["max_tokens"] == 512
     assert data["mb"]["max_num_batched_tokens"] >= 8192
 
 
@@ -178,3 +181,16 @@ def test_modernbert_embeds_a_long_input_over_http(task_server, modernbert_dir):
     status, code, message = error_of(task_server.client.post(
         "/v1/embeddings", json={"model": "mb", "input": ["x", "hello " * 8191]}))
     assert (status, code) == (400, "invalid_request") and "input[1] has 8193 tokens" in message
+
+
+def test_xlm_roberta_embeds_over_a_worker(task_server, xlmr_dir):
+    """R7.4: an XLM-RoBERTa embedder (onnxruntime, in a worker process) answers
+    sentence-transformers' embeddings within 1e-5, up to its 512-token limit."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["Maria lives in Berlin", "São Paulo 東京 Zürich", "query " * 1000]
+    body = task_server.client.post("/v1/embeddings", json={
+        "model": "xlmr", "input": texts, "truncate": True}).json()
+    ours = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+    theirs = SentenceTransformer(str(xlmr_dir), device="cpu").encode(texts, batch_size=1)
+    assert np.abs(ours - theirs).max() < 1e-5
