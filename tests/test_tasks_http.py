@@ -73,12 +73,15 @@ def test_rerank_answers_best_first_as_cohere_and_jina_clients_read(rerank_server
     ({"query": QUERY, "documents": ["x"], "top_n": 0}, 400, "top_n"),
     ({"query": QUERY, "documents": [3]}, 400, "documents"),
     ({"documents": ["x"]}, 400, "query"),
+    ({"query": QUERY, "documents": ["x"] * 2049}, 413, "documents has 2049 items; limit 2048"),
 ])
 def test_bad_rerank_input_gets_its_error_naming_the_field(rerank_server, body, status, field):
-    """R7.2, R7.4: empty documents, an over-limit pair without ``truncate`` and malformed
-    fields are refused with the field named, and the server keeps answering."""
+    """R7.2, R7.4: empty documents, an over-limit pair without ``truncate``, too many
+    documents and malformed fields are refused with the field named, and the server keeps
+    answering."""
     got = error_of(rerank_server.client.post("/v1/rerank", json=body))
-    assert got[0] == status and got[1] == "invalid_request" and field in got[2]
+    code = "too_large" if status == 413 else "invalid_request"
+    assert got[0] == status and got[1] == code and field in got[2]
     ok = rerank_server.client.post("/v1/rerank", json={"query": QUERY, "documents": ["x"]})
     assert ok.status_code == 200
 
