@@ -136,3 +136,17 @@ def xlmr_dir(tmp_path_factory) -> Path:
     from tests import tiny_models
 
     return tiny_models.xlmr_embedder(tmp_path_factory.mktemp("xlm-roberta"))
+
+
+@pytest.fixture(scope="session")
+def modernbert_token_classifier_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.modernbert_token_classifier(tmp_path_factory.mktemp("modernbert-ner"))
+
+
+@pytest.fixture(scope="session")
+def modernbert_classifier_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.modernbert_classifier(tmp_path_factory.mktemp("modernbert-intent"))

@@ -34,12 +34,11 @@ def _start(folder, backend: str, **args) -> Runner:
     return runner
 
 
-@pytest.fixture(scope="module")
-def pipeline_spans(token_classifier_dir):
+def pipeline_spans(folder) -> list[list[dict]]:
     from transformers import pipeline
 
-    ner = pipeline("token-classification", model=str(token_classifier_dir),
-                   aggregation_strategy="simple", device="cpu")
+    ner = pipeline("token-classification", model=str(folder), aggregation_strategy="simple",
+                   device="cpu")
     return [ner(t) for t in NER_TEXTS]
 
 
@@ -51,14 +50,17 @@ def assert_same_spans(ours: list[dict], theirs: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_token_classifier_spans_equal_the_pipeline(token_classifier_dir, pipeline_spans,
-                                                   backend):
+@pytest.mark.parametrize("fixture", ["token_classifier_dir", "modernbert_token_classifier_dir"],
+                         ids=["bert", "modernbert"])
+def test_token_classifier_spans_equal_the_pipeline(fixture, backend, request):
     """R7.4: per input, entity spans (label, score, word, character offsets) grouped as the
-    pipeline's "simple" aggregation does; the rows of one request share forwards."""
-    manifest = resolve(str(token_classifier_dir))
+    pipeline's "simple" aggregation does, for a BERT and a ModernBERT token classifier; the
+    rows of one request share forwards."""
+    folder = request.getfixturevalue(fixture)
+    manifest = resolve(str(folder))
     assert manifest.task is Task.TOKEN_CLASSIFY
     assert manifest.labels == ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
-    runner = _start(token_classifier_dir, backend)
+    runner = _start(folder, backend)
     try:
         logits, tokens = runner.submit(NER_TEXTS)
         logits = logits.result(timeout=60)
@@ -67,8 +69,32 @@ def test_token_classifier_spans_equal_the_pipeline(token_classifier_dir, pipelin
     assert logits.ndim == 3 and logits.shape[2] == 5
     data = entities_answer(_Info(manifest), NER_TEXTS, False, logits)
     assert sum(len(d["entities"]) for d in data) > 4  # the grouping has work to do
-    for d, theirs in zip(data, pipeline_spans, strict=True):
+    for d, theirs in zip(data, pipeline_spans(folder), strict=True):
         assert_same_spans(d["entities"], theirs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_modernbert_sequence_classifier_gives_the_heads_logits(modernbert_classifier_dir,
+                                                                backend):
+    """R7.4: a ModernBERT sequence classifier (an intent router's shape) gives transformers'
+    logits within 1e-5 on both backends, rows of different lengths batched together."""
+    import torch
+    from transformers import ModernBertForSequenceClassification
+
+    manifest = resolve(str(modernbert_classifier_dir))
+    assert manifest.task is Task.CLASSIFY and manifest.labels == ("math", "code", "other")
+    texts = NER_TEXTS + ["solve x^2 = 4 " * 40]
+    runner = _start(modernbert_classifier_dir, backend)
+    try:
+        ours = runner.submit(texts)[0].result(timeout=60)
+        rows = runner.tokenizer.encode(texts)
+    finally:
+        runner.stop()
+    model = ModernBertForSequenceClassification.from_pretrained(modernbert_classifier_dir)
+    with torch.no_grad():
+        theirs = np.concatenate([model.eval()(input_ids=torch.tensor([r])).logits.numpy()
+                                 for r in rows])
+    assert np.abs(ours - theirs).max() < 1e-5
 
 
 class _Info:

@@ -86,25 +86,68 @@ def _sentence_transformers_folder(folder: Path, max_seq_length: int) -> None:
         "pooling_mode_mean_sqrt_len_tokens": False}))
 
 
-def modernbert_embedder(folder: Path, max_tokens: int = 8192) -> Path:
-    """ModernBertModel (alternating global/local attention, RoPE) as a sentence-transformers
-    mean-pooling embedder with its own 8,192-token limit. Uses the BERT WordPiece tokenizer:
-    the config's vocabulary and special-token ids are set to match it."""
-    import torch
-    from transformers import ModernBertConfig, ModernBertModel
+def _modernbert_config(max_tokens: int = 8192, **head):
+    """A tiny ModernBERT (alternating global/local attention, RoPE) over the BERT WordPiece
+    tokenizer: the vocabulary and special-token ids are set to match it."""
+    from transformers import ModernBertConfig
 
-    torch.manual_seed(3)
-    config = ModernBertConfig(vocab_size=BERT_VOCAB, hidden_size=64, num_hidden_layers=3,
-                              num_attention_heads=4, intermediate_size=96,
-                              max_position_embeddings=max_tokens, global_attn_every_n_layers=3,
-                              local_attention=16, pad_token_id=0, cls_token_id=101,
-                              sep_token_id=102, bos_token_id=101, eos_token_id=102)
-    ModernBertModel(config).eval().save_pretrained(folder, safe_serialization=True)
+    return ModernBertConfig(vocab_size=BERT_VOCAB, hidden_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, intermediate_size=96,
+                            max_position_embeddings=max_tokens, global_attn_every_n_layers=3,
+                            local_attention=16, pad_token_id=0, cls_token_id=101,
+                            sep_token_id=102, bos_token_id=101, eos_token_id=102, **head)
+
+
+def _modernbert_tokenizer(folder: Path, max_tokens: int) -> None:
     _bert_tokenizer(folder)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg["model_max_length"] = max_tokens
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def modernbert_embedder(folder: Path, max_tokens: int = 8192) -> Path:
+    """ModernBertModel as a sentence-transformers mean-pooling embedder with its own
+    8,192-token limit."""
+    import torch
+    from transformers import ModernBertModel
+
+    torch.manual_seed(3)
+    ModernBertModel(_modernbert_config(max_tokens)).eval().save_pretrained(
+        folder, safe_serialization=True)
+    _modernbert_tokenizer(folder, max_tokens)
     _sentence_transformers_folder(folder, max_tokens)
+    return folder
+
+
+def modernbert_token_classifier(folder: Path, max_tokens: int = 8192) -> Path:
+    """ModernBertForTokenClassification with B-/I- labels (upstream's PII detectors' shape)."""
+    import torch
+    from transformers import ModernBertForTokenClassification
+
+    torch.manual_seed(5)
+    model = ModernBertForTokenClassification(_modernbert_config(
+        max_tokens, num_labels=len(NER_LABELS), id2label=dict(enumerate(NER_LABELS)),
+        label2id={v: k for k, v in enumerate(NER_LABELS)})).eval()
+    _sharpen(model.classifier, 20.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    _modernbert_tokenizer(folder, max_tokens)
+    return folder
+
+
+INTENT_LABELS = ("math", "code", "other")
+
+
+def modernbert_classifier(folder: Path, max_tokens: int = 8192) -> Path:
+    """ModernBertForSequenceClassification (upstream's intent classifiers' shape)."""
+    import torch
+    from transformers import ModernBertForSequenceClassification
+
+    torch.manual_seed(6)
+    ModernBertForSequenceClassification(_modernbert_config(
+        max_tokens, num_labels=len(INTENT_LABELS), id2label=dict(enumerate(INTENT_LABELS)),
+        label2id={v: k for k, v in enumerate(INTENT_LABELS)})).eval().save_pretrained(
+        folder, safe_serialization=True)
+    _modernbert_tokenizer(folder, max_tokens)
     return folder
 
 
