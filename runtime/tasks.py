@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Encoding
 
+from vllm_srun.runtime.errors import RuntimeFault
+
 IGNORED_LABELS = ("O",)
 
 
@@ -57,6 +59,9 @@ def entity_spans(text: str, encoding: Encoding, logits: np.ndarray, labels: Sequ
                  unk_id: int | None, join: Callable[[list[str]], str]) -> list[EntitySpan]:
     """Spans of one input: ``encoding`` is its tokenization, ``logits`` float32
     [tokens, labels] (at least as many rows as tokens), ``join`` turns tokens into text."""
+    if logits.shape[0] < len(encoding.ids):
+        raise RuntimeFault(f"the worker answered {logits.shape[0]} token rows for an input of "
+                           f"{len(encoding.ids)} tokens (a different tokenizer?)")
     scores = softmax(np.asarray(logits[: len(encoding.ids)], dtype=np.float32))
     tokens: list[_Token] = []
     for i, (tid, special) in enumerate(zip(encoding.ids, encoding.special_tokens_mask,

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.types import Task
-from vllm_srun.server.bridge import fault_status
+from vllm_srun.server.bridge import OFFLOAD_CHARS, fault_status
 from vllm_srun.server.config import Config
 from vllm_srun.server.metrics import Metrics
 from vllm_srun.server.pool import DeploymentPool, Pool, PoolError, PoolOptions
@@ -227,6 +227,13 @@ async def _infer(dep: DeploymentPool, texts: list, truncate: bool, deadline: flo
     return out, tokens, {REPLICA_HEADER: replica}
 
 
+async def _off_loop(chars: int, fn, *args):
+    """``fn(*args)``; off the event loop when the input is big enough to tokenize slowly."""
+    if chars > OFFLOAD_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 def _body_schema(model: type[BaseModel]) -> dict:
     """The request body in the OpenAPI document (handlers parse the raw body themselves, for
     speed and for R7.2 errors), so clients and fuzzers see the real contract."""
@@ -309,7 +316,8 @@ def create_app(state: ServerState):
             logits, tokens, headers = await _infer(dep, texts, body.truncate,
                                                    _deadline(request))
             if manifest.task is Task.TOKEN_CLASSIFY:  # entity spans per input (R7.4)
-                data = entities_answer(manifest, texts, body.truncate, logits)
+                data = await _off_loop(sum(len(t) for t in texts), entities_answer, manifest,
+                                       texts, body.truncate, logits)
                 return _json({"object": "list", "model": manifest.name, "data": data,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
                              headers=headers)

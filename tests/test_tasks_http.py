@@ -149,6 +149,20 @@ def test_entity_spans_over_a_worker_equal_the_pipeline(task_server, pipeline_spa
     assert (status, code) == (422, "unsupported") and "/v1/classify" in message
 
 
+def test_truncated_token_classification_spans_the_kept_tokens(task_server, token_classifier_dir):
+    """R1.1, R7.4: with ``truncate`` a 30,000-character input (grouped off the event loop)
+    keeps its first 126 content tokens (limit 128): its spans are the pipeline's spans of that
+    prefix, offsets into the original text."""
+    from transformers import pipeline
+
+    body = task_server.client.post("/v1/classify", json={
+        "model": "ner", "input": "hello " * 5000, "truncate": True}).json()
+    ner = pipeline("token-classification", model=str(token_classifier_dir),
+                   aggregation_strategy="simple", device="cpu")
+    assert_same_spans(body["data"][0]["entities"], ner("hello " * 126))
+    assert body["usage"]["prompt_tokens"] == 128
+
+
 @pytest.fixture(scope="module")
 def pipeline_spans_http(token_classifier_dir):
     from transformers import pipeline
