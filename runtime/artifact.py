@@ -105,11 +105,19 @@ def _normalize(folder: Path) -> bool:
                for m in entries)
 
 
+# Position ids of these start after the padding id (RoBERTa's scheme): 514 positions hold
+# 512 tokens.
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
+
+
 def _max_tokens(folder: Path, config: dict) -> int:
     st = _read_json(folder / "sentence_bert_config.json")
     if isinstance(st.get("max_seq_length"), int) and st["max_seq_length"] > 0:
         return st["max_seq_length"]
-    limits = [config.get("max_position_embeddings", 512)]
+    positions = int(config.get("max_position_embeddings", 512))
+    if config.get("model_type") in _OFFSET_POSITIONS:
+        positions -= int(config.get("pad_token_id", 1)) + 1
+    limits = [positions]
     tok_max = _read_json(folder / "tokenizer_config.json").get("model_max_length")
     if isinstance(tok_max, int) and 0 < tok_max < 100_000:
         limits.append(tok_max)
@@ -122,6 +130,37 @@ def _labels(config: dict) -> tuple[str, ...]:
         return tuple(str(id2label[k]) for k in sorted(id2label, key=int))
     except (ValueError, TypeError) as exc:
         raise ArtifactError(f"config.json id2label is malformed: {exc}") from exc
+
+
+_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": True,
+                "torch.nn.modules.linear.Identity": False}
+
+
+def _task(config: dict) -> Task:
+    """From the head: token classification, a one-label sequence head (a cross-encoder, as
+    text-embeddings-inference also reads it), another sequence head, or a plain encoder."""
+    archs = config.get("architectures") or []
+    if any("ForTokenClassification" in a for a in archs):
+        return Task.TOKEN_CLASSIFY
+    if any("ForSequenceClassification" in a for a in archs):
+        labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+        return Task.RERANK if labels == 1 else Task.CLASSIFY
+    return Task.EMBED
+
+
+def _sigmoid(config: dict) -> bool:
+    """What sentence-transformers' CrossEncoder applies to a one-label head: the activation
+    its config names, else a sigmoid."""
+    st = config.get("sentence_transformers") or {}
+    path = st.get("activation_fn") if isinstance(st, dict) else None
+    if path is None:
+        path = config.get("sbert_ce_default_activation_function")
+    if path is None:
+        return True
+    if path not in _ACTIVATIONS:
+        raise ArtifactError(f"config.json sentence_transformers.activation_fn {path!r} is not "
+                            f"supported; use one of {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[path]
 
 
 def _from_folder(folder: Path, name: str | None = None) -> Manifest:
@@ -141,8 +180,7 @@ def _from_folder(folder: Path, name: str | None = None) -> Manifest:
             folder / "pytorch_model.bin").exists() else "no weights"
         raise ArtifactError(f"{folder} has {found}: it needs model.safetensors or model.onnx")
     weights = safetensors if safetensors.is_file() else onnx
-    archs = config.get("architectures") or []
-    task = Task.CLASSIFY if any("ForSequenceClassification" in a for a in archs) else Task.EMBED
+    task = _task(config)
     return Manifest(
         name=name or folder.name, path=str(folder), revision=weights_digest(weights), task=task,
         pooling=_pooling(folder), normalize=_normalize(folder),
@@ -150,7 +188,8 @@ def _from_folder(folder: Path, name: str | None = None) -> Manifest:
         tokenizer_path=str(folder / "tokenizer.json"),
         safetensors_path=str(safetensors) if safetensors.is_file() else None,
         onnx_path=str(onnx) if onnx else None,
-        labels=_labels(config) if task is Task.CLASSIFY else ())
+        labels=_labels(config) if task in (Task.CLASSIFY, Task.TOKEN_CLASSIFY) else (),
+        sigmoid=task is Task.RERANK and _sigmoid(config))
 
 
 def resolve(model: str | None = None) -> Manifest:

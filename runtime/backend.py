@@ -26,10 +26,20 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+# Rank of the model output each task reads: pooled later from [rows, tokens, dim], logits
+# [rows, labels], or per-token logits [rows, tokens, labels].
+OUTPUT_RANK = {Task.EMBED: 3, Task.CLASSIFY: 2, Task.RERANK: 2, Task.TOKEN_CLASSIFY: 3}
+
+
 def _finish(manifest: Manifest, out: np.ndarray, batch: TokenBatch) -> np.ndarray:
-    if manifest.task is Task.CLASSIFY:
-        return np.ascontiguousarray(out, dtype=np.float32)
-    return pool(out, batch.attention_mask, manifest.pooling, manifest.normalize)
+    """The rows a task answers: pooled vectors, logits, per-token logits, or rerank scores
+    (the cross-encoder's one logit, through a sigmoid when its CrossEncoder applies one)."""
+    if manifest.task is Task.EMBED:
+        return pool(out, batch.attention_mask, manifest.pooling, manifest.normalize)
+    out = np.ascontiguousarray(out, dtype=np.float32)
+    if manifest.task is Task.RERANK and manifest.sigmoid:
+        out = (np.float32(1) / (np.float32(1) + np.exp(-out))).astype(np.float32)
+    return out
 
 
 class OnnxBackend:
@@ -47,7 +57,7 @@ class OnnxBackend:
         self._lock = threading.Lock()
         probe = self._session(1)
         self._input_names = [i.name for i in probe.get_inputs()]
-        want_rank = 2 if manifest.task is Task.CLASSIFY else 3
+        want_rank = OUTPUT_RANK[manifest.task]
         outputs = [o for o in probe.get_outputs() if len(o.shape) == want_rank]
         if not outputs:
             raise ArtifactError(f"{onnx_path} has no output of rank {want_rank}")
@@ -74,7 +84,8 @@ class OnnxBackend:
         session = self._session(num_threads)
         feed = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         if "token_type_ids" in self._input_names:
-            feed["token_type_ids"] = np.zeros_like(batch.input_ids)
+            feed["token_type_ids"] = (batch.token_type_ids if batch.token_type_ids is not None
+                                      else np.zeros_like(batch.input_ids))
         feed = {k: v for k, v in feed.items() if k in self._input_names}
         start = time.perf_counter()
         (out,) = session.run([self._output], feed)
@@ -112,8 +123,10 @@ class TorchBackend:
         start = time.perf_counter()
         ids = torch.from_numpy(batch.input_ids).to(self.device)
         mask = torch.from_numpy(batch.attention_mask).to(self.device)
+        types = (torch.from_numpy(batch.token_type_ids).to(self.device)
+                 if batch.token_type_ids is not None else None)
         with torch.inference_mode():
-            out = self.module(ids, mask).float().cpu().numpy()
+            out = self.module(ids, mask, types).float().cpu().numpy()
         forward_s = time.perf_counter() - start
         observed = self._seen.num_threads
         return ForwardResult(_finish(self.manifest, out, batch), num_threads, observed, forward_s)

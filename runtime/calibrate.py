@@ -1,7 +1,7 @@
 """Batch limits a deployment leaves unset, calibrated when a worker starts (R3.2).
 
-CPU: from a measured latency target. One forward of ``4 x max_tokens`` padded tokens at the
-worker's configured thread count gives its token rate; ``max_num_batched_tokens`` is the
+CPU: from a measured latency target. One forward of 4 rows of ``min(max_tokens, 512)`` tokens
+at the worker's configured thread count gives its token rate; ``max_num_batched_tokens`` is the
 largest power of two that the rate clears in ``CPU_TARGET_S`` (so a short request never waits
 behind more than about that much work), clamped to ``[max_tokens, 16384]``.
 
@@ -24,6 +24,7 @@ from vllm_srun.runtime.types import EngineArgs
 log = logging.getLogger(__name__)
 
 CPU_TARGET_S = 0.1
+PROBE_TOKENS = 512
 CPU_CAP = 16_384
 GPU_CAP = 65_536
 GPU_BYTES_PER_TOKEN_PER_HIDDEN = 4 * 64
@@ -37,13 +38,24 @@ def _pow2_floor(x: float) -> int:
     return n
 
 
+def probe_row(tokenizer, tokens: int) -> list[int]:
+    """A row of exactly ``tokens`` ids from the model's own vocabulary, special tokens
+    included (hard-coded ids would fall outside a small vocabulary)."""
+    ids = tokenizer.encode(["hello world " * tokens], truncate=True)[0]
+    return ids[: tokens - 1] + ids[-1:]
+
+
 def cpu_tokens(runner, reps: int = 3) -> int:
-    """Measure the configured count's token rate and apply the CPU rule."""
+    """Measure the configured count's token rate and apply the CPU rule. The probe rows are
+    at most ``PROBE_TOKENS`` long: a long-context model (8,192 tokens) would otherwise spend
+    seconds here on quadratic attention; the clamp still lets one row of the longest input
+    through."""
     max_tokens = runner.manifest.max_tokens
-    rows = [[101] + [7592] * (max_tokens - 2) + [102]] * 4
+    length = min(max_tokens, PROBE_TOKENS)
+    rows = [probe_row(runner.tokenizer, length)] * 4
     best = min(runner.engine.forward(rows, runner.args.num_threads).forward_s
                for _ in range(reps))
-    rate = len(rows) * max_tokens / max(best, 1e-6)
+    rate = len(rows) * length / max(best, 1e-6)
     return min(max(_pow2_floor(rate * CPU_TARGET_S), max_tokens), CPU_CAP)
 
 

@@ -74,16 +74,38 @@ class _Request:
     future: Future
     outputs: list[np.ndarray | None] = field(default_factory=list)
     remaining: int = 0
+    type_ids: list[list[int]] | None = None  # text pairs only
 
 
-def pad(rows: list[list[int]]) -> TokenBatch:
+def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None) -> TokenBatch:
+    """Pad rows to the longest; ``type_ids`` (text pairs) gives the token type ids, where a
+    row without them (None) has zeros."""
     longest = max(len(r) for r in rows)
     ids = np.zeros((len(rows), longest), dtype=np.int64)
     mask = np.zeros((len(rows), longest), dtype=np.int64)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
         mask[i, : len(r)] = 1
-    return TokenBatch(ids, mask)
+    types = None
+    if type_ids is not None and any(t is not None for t in type_ids):
+        types = np.zeros((len(rows), longest), dtype=np.int64)
+        for i, t in enumerate(type_ids):
+            if t is not None:
+                types[i, : len(t)] = t
+    return TokenBatch(ids, mask, types)
+
+
+def stack_rows(outputs: list[np.ndarray]) -> np.ndarray:
+    """One request's row answers as one array: vectors stack to [rows, dim]; per-token
+    answers ([tokens, labels], each cut to its row's length) are zero-padded to the
+    request's longest row: [rows, tokens, labels]."""
+    if outputs[0].ndim == 1:
+        return np.stack(outputs)
+    longest = max(o.shape[0] for o in outputs)
+    out = np.zeros((len(outputs), longest, outputs[0].shape[1]), dtype=np.float32)
+    for i, o in enumerate(outputs):
+        out[i, : o.shape[0]] = o
+    return out
 
 
 class Engine:
@@ -126,8 +148,10 @@ class Engine:
         self.threads.close()
 
     # -- requests --------------------------------------------------------------------------
-    def submit(self, rows: list[list[int]], deadline: float | None = None) -> Future:
-        """Queue a request's token rows; the future gives float32 [len(rows), dim]."""
+    def submit(self, rows: list[list[int]], deadline: float | None = None,
+               type_ids: list[list[int]] | None = None) -> Future:
+        """Queue a request's token rows (and their type ids, for text pairs); the future
+        gives float32 [len(rows), dim] (or [len(rows), tokens, labels], see stack_rows)."""
         future: Future = Future()
         limit = time.monotonic() + self.args.timeout_ms / 1000
         deadline = limit if deadline is None else min(deadline, limit)
@@ -135,7 +159,8 @@ class Engine:
             if not self._running:
                 raise EngineStopped("engine is not running")
             rid = next(self._ids)
-            self._requests[rid] = _Request(rows, deadline, future, [None] * len(rows), len(rows))
+            self._requests[rid] = _Request(rows, deadline, future, [None] * len(rows), len(rows),
+                                           type_ids)
             self._pending.extend(PendingRow(rid, i, len(r)) for i, r in enumerate(rows))
             self._cond.notify()
         return future
@@ -168,10 +193,12 @@ class Engine:
                 taken = set(chosen)
                 self._pending = [r for r in self._pending if r not in taken]
                 rows = [self._requests[r.request_id].rows[r.index] for r in chosen]
+                types = [t[r.index] if (t := self._requests[r.request_id].type_ids) else None
+                         for r in chosen]
             if idle is not None:
                 self._run_idle(idle)
             elif chosen:
-                self._serve(chosen, rows)
+                self._serve(chosen, rows, types)
 
     def _run_idle(self, work: Callable[[], None]) -> None:
         try:
@@ -179,8 +206,9 @@ class Engine:
         except Exception:
             log.exception("idle_work_failed")
 
-    def _serve(self, chosen: list[PendingRow], rows: list[list[int]]) -> None:
-        batch = pad(rows)
+    def _serve(self, chosen: list[PendingRow], rows: list[list[int]],
+               types: list[list[int] | None]) -> None:
+        batch = pad(rows, types)
         num_threads = self.threads.served_threads(batch)
         try:
             result = self.context.run(num_threads,
@@ -209,13 +237,15 @@ class Engine:
                 req = self._requests.get(row.request_id)
                 if req is None:  # expired or cancelled while the forward ran
                     continue
+                if vector.ndim == 2:  # per-token answer: cut the batch's padding off
+                    vector = vector[: row.length]
                 req.outputs[row.index] = vector
                 req.remaining -= 1
                 if req.remaining == 0:
                     del self._requests[row.request_id]
                     done.append(req)
         for req in done:
-            _resolve(req.future, np.stack(req.outputs))
+            _resolve(req.future, stack_rows(req.outputs))
 
     def _expire(self, now: float) -> None:
         """Drop requests past their deadline or abandoned by their caller (lock held)."""

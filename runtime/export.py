@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from vllm_srun.runtime.paths import cache_dir
-from vllm_srun.runtime.types import Manifest
+from vllm_srun.runtime.types import Manifest, Task
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,21 @@ def _export(manifest: Manifest, target: Path) -> None:
     log.info("onnx_export model=%s revision=%s path=%s", manifest.name, manifest.revision, target)
     module = load_module(manifest)
     ids = torch.ones((2, 8), dtype=torch.long)
-    out = "logits" if manifest.task.value == "classify" else "last_hidden_state"
-    axes = {"input_ids": {0: "rows", 1: "tokens"}, "attention_mask": {0: "rows", 1: "tokens"},
-            out: {0: "rows"} if out == "logits" else {0: "rows", 1: "tokens"}}
+    out = "last_hidden_state" if manifest.task is Task.EMBED else "logits"
+    per_token = manifest.task in (Task.EMBED, Task.TOKEN_CLASSIFY)
+    inputs = ["input_ids", "attention_mask"]
+    args: tuple = (ids, ids.clone())
+    if manifest.task is Task.RERANK:  # text pairs: the second text's token type ids
+        inputs.append("token_type_ids")
+        args = (ids, ids.clone(), torch.zeros_like(ids))
+    axes = {name: {0: "rows", 1: "tokens"} for name in inputs}
+    axes[out] = {0: "rows", 1: "tokens"} if per_token else {0: "rows"}
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            torch.onnx.export(module, (ids, ids.clone()), str(tmp), dynamo=False,
-                              input_names=["input_ids", "attention_mask"], output_names=[out],
+            torch.onnx.export(module, args, str(tmp), dynamo=False,
+                              input_names=inputs, output_names=[out],
                               dynamic_axes=axes, opset_version=17)
         os.replace(tmp, target)
     finally:

@@ -54,11 +54,16 @@ def _torch_builds() -> dict[str, str]:
     return out
 
 
+# Bumped when the runtime's own arithmetic changes answers' bits (2: mean pooling accumulates
+# in float64), so a host's stored golden answers and learned counts start afresh, not fail.
+ANSWERS_VERSION = 2
+
+
 def host_fingerprint(backend: BackendName | str, budget: int) -> tuple[str, dict]:
     """(16-hex digest, the details it digests)."""
     backend = BackendName(backend)
     details: dict = {"cpu": _cpu(), "budget": budget, "backend": backend.value,
-                     "machine": platform.machine()}
+                     "machine": platform.machine(), "answers": ANSWERS_VERSION}
     if backend is BackendName.TORCH:
         details["torch"] = _version("torch")
         details.update(_torch_builds())

@@ -15,7 +15,11 @@ def pool(hidden: np.ndarray, mask: np.ndarray, pooling: Pooling, normalize: bool
     elif pooling is Pooling.MAX:
         out = np.where(m > 0, hidden, np.float32(-1e9)).max(axis=1)
     else:
-        out = (hidden * m).sum(axis=1) / np.maximum(m.sum(axis=1), np.float32(1e-9))
+        # accumulate in float64: numpy sums a strided axis one token after another, so a
+        # float32 sum over 8,192 tokens drifts by ~1e-4 (torch's, and so
+        # sentence-transformers', stays within ~1e-6)
+        out = (hidden * m).sum(axis=1, dtype=np.float64) / np.maximum(
+            m.sum(axis=1, dtype=np.float64), 1e-9)
     out = np.ascontiguousarray(out, dtype=np.float32)
     if normalize:
         norms = np.linalg.norm(out, axis=1, keepdims=True)

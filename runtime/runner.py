@@ -15,10 +15,10 @@ import numpy as np
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import Backend, load_backend
 from vllm_srun.runtime.cache import ResultCache
-from vllm_srun.runtime.engine import Engine, ThreadsPolicy
+from vllm_srun.runtime.engine import Engine, ThreadsPolicy, stack_rows
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.tokenizer import Tokenizer
-from vllm_srun.runtime.types import BackendName, EngineArgs, ForwardRecord, Manifest
+from vllm_srun.runtime.types import BackendName, EngineArgs, ForwardRecord, Manifest, TextInput
 
 log = logging.getLogger(__name__)
 
@@ -80,24 +80,26 @@ class Runner:
         self.engine.stop()
         self.backend.close()
 
-    def submit(self, texts: Sequence[str], truncate: bool = False,
-               deadline: float | None = None) -> tuple[Future, int]:
-        """Queue texts; returns (future of float32 [len(texts), dim], prompt tokens).
+    def submit(self, texts: Sequence[TextInput], truncate: bool = False,
+               deadline: float | None = None, field: str = "input") -> tuple[Future, int]:
+        """Queue texts (or text pairs); returns (future of float32 [len(texts), dim], or
+        [len(texts), tokens, labels] for token classification, and prompt tokens).
 
-        Raises InputError (naming the input) before anything is queued.
+        Raises InputError (naming the input as ``field[i]``) before anything is queued.
         """
         keys = [(truncate, t) for t in texts]
         hits = [self.cache.get(k) for k in keys]
         miss_at = [i for i, h in enumerate(hits) if h is None]
         rows: list[list[int]] = []
         if miss_at:
-            rows = self.tokenizer.encode([texts[i] for i in miss_at], truncate, miss_at)
+            encoded = self.tokenizer.rows([texts[i] for i in miss_at], truncate, miss_at, field)
+            rows = encoded.ids
         tokens = sum(h[1] for h in hits if h is not None) + sum(len(r) for r in rows)
         out: Future = Future()
         if not miss_at:
-            out.set_result(np.stack([h[0] for h in hits]))
+            out.set_result(stack_rows([h[0] for h in hits]))
             return out, tokens
-        inner = self.engine.submit(rows, deadline)
+        inner = self.engine.submit(rows, deadline, encoded.type_ids)
 
         def merge(done: Future) -> None:
             if done.cancelled() or done.exception() is not None:
@@ -108,12 +110,12 @@ class Runner:
             vectors = done.result()
             full: list[np.ndarray] = [h[0] if h is not None else None for h in hits]
             for j, i in enumerate(miss_at):
-                full[i] = vectors[j]
-                self.cache.put(keys[i], vectors[j], len(rows[j]))
+                vector = vectors[j] if vectors.ndim == 2 else vectors[j][: len(rows[j])]
+                full[i] = vector
+                self.cache.put(keys[i], vector, len(rows[j]))
             if not out.done():
-                out.set_result(np.stack(full))
+                out.set_result(stack_rows(full))
 
         inner.add_done_callback(merge)
         out.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
         return out, tokens
-

@@ -14,14 +14,21 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def load_module(manifest: Manifest):
-    """A torch module ``(input_ids, attention_mask) -> hidden [rows, tokens, dim] | logits``."""
+    """A torch module ``(input_ids, attention_mask[, token_type_ids]) -> hidden [rows, tokens,
+    dim] | logits [rows, labels] | per-token logits [rows, tokens, labels]``."""
     if manifest.safetensors_path is None:
         raise Unsupported(f"model {manifest.name!r} has no safetensors weights; "
                           "the torch backend needs model.safetensors (use onnxruntime)")
     import torch
-    from transformers import AutoModel, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModel,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
-    cls = AutoModelForSequenceClassification if manifest.task is Task.CLASSIFY else AutoModel
+    cls = {Task.EMBED: AutoModel, Task.CLASSIFY: AutoModelForSequenceClassification,
+           Task.RERANK: AutoModelForSequenceClassification,
+           Task.TOKEN_CLASSIFY: AutoModelForTokenClassification}[manifest.task]
     try:
         model = cls.from_pretrained(manifest.path, use_safetensors=True, local_files_only=True,
                                     dtype=torch.float32)
@@ -34,9 +41,11 @@ def load_module(manifest: Manifest):
             super().__init__()
             self.inner = inner
 
-        def forward(self, input_ids, attention_mask):
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
             out = self.inner(input_ids=input_ids, attention_mask=attention_mask,
-                             token_type_ids=torch.zeros_like(input_ids))
-            return out.logits if manifest.task is Task.CLASSIFY else out.last_hidden_state
+                             token_type_ids=token_type_ids)
+            return out.last_hidden_state if manifest.task is Task.EMBED else out.logits
 
     return Encoder(model).eval()

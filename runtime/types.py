@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 
 class Task(enum.StrEnum):
-    EMBED = "embed"
-    CLASSIFY = "classify"
+    EMBED = "embed"  # one pooled vector per row
+    CLASSIFY = "classify"  # sequence classification: one row of label logits per row
+    TOKEN_CLASSIFY = "token_classify"  # label logits per token (entity spans, R7.4)
+    RERANK = "rerank"  # cross-encoder: a (query, document) pair per row -> one score (R7.4)
+
+
+TextInput = str | tuple[str, str]  # a text, or a text pair (query, document) for a reranker
+
+
+def input_chars(inputs: Sequence[TextInput]) -> int:
+    """Characters in a request's inputs (a pair counts both texts)."""
+    return sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in inputs)
 
 
 class Pooling(enum.StrEnum):
@@ -40,14 +51,17 @@ class Manifest:
     safetensors_path: str | None = None
     onnx_path: str | None = None
     labels: tuple[str, ...] = ()
+    sigmoid: bool = False  # rerank: scores are sigmoid(logit) (CrossEncoder's one-label default)
 
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """A padded forward input: ``input_ids`` and ``attention_mask`` are int64 [rows, tokens]."""
+    """A padded forward input: ``input_ids`` and ``attention_mask`` are int64 [rows, tokens];
+    ``token_type_ids`` (same shape) only when rows are text pairs, else the model's zeros."""
 
     input_ids: np.ndarray
     attention_mask: np.ndarray
+    token_type_ids: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -63,7 +77,8 @@ class TokenBatch:
 class ForwardResult:
     """The output of one forward: one vector per row, and what actually ran it."""
 
-    outputs: np.ndarray  # float32 [rows, dim]: pooled embeddings or logits
+    outputs: np.ndarray  # float32 [rows, dim] (pooled embeddings, logits, scores) or, for
+    # token classification, [rows, tokens, labels] logits
     num_threads: int  # the count the forward stated
     observed_threads: int  # the count observed from inside the forward
     forward_s: float

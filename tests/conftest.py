@@ -129,3 +129,46 @@ def classifier_dir(tmp_path_factory) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
         shutil.copy(src / name, folder / name)
     return folder
+
+
+# Tiny real-weight models of the router's shapes (R7.4), built offline: tests/tiny_models.py.
+@pytest.fixture(scope="session")
+def token_classifier_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.token_classifier(tmp_path_factory.mktemp("token-classifier"))
+
+
+@pytest.fixture(scope="session")
+def cross_encoder_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
+
+
+@pytest.fixture(scope="session")
+def modernbert_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.modernbert_embedder(tmp_path_factory.mktemp("modernbert"))
+
+
+@pytest.fixture(scope="session")
+def xlmr_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.xlmr_embedder(tmp_path_factory.mktemp("xlm-roberta"))
+
+
+@pytest.fixture(scope="session")
+def modernbert_token_classifier_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.modernbert_token_classifier(tmp_path_factory.mktemp("modernbert-ner"))
+
+
+@pytest.fixture(scope="session")
+def modernbert_classifier_dir(tmp_path_factory) -> Path:
+    from tests import tiny_models
+
+    return tiny_models.modernbert_classifier(tmp_path_factory.mktemp("modernbert-intent"))

@@ -33,7 +33,7 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class Admission:
-    PATHS = (b"/v1/embeddings", b"/v1/classify")
+    PATHS = (b"/v1/embeddings", b"/v1/classify", b"/v1/rerank")
 
     def __init__(self, saturated: Callable[[], bool], count: Callable[[str], None],
                  allows: Callable[[Headers], bool] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The public HTTP API (R7.1): one handler per route. Each inference handler reads the
+"""The public HTTP API (R7.1, R7.4): one handler per route. Each inference handler reads the
 request (``requests.py``), dispatches through the pool and shapes the answer; every error
 answer comes from the one table in ``errors.py``."""
 
@@ -17,12 +17,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from vllm_srun.runtime.errors import RuntimeFault
-from vllm_srun.runtime.types import Task
+from vllm_srun.runtime.types import Task, TextInput
 from vllm_srun.server.frontend.errors import REPLICA_HEADER, ApiError, http_error
 from vllm_srun.server.frontend.requests import caller_deadline, parse, read_body, texts_of
-from vllm_srun.server.frontend.schemas import ClassifyBody, EmbeddingsBody
+from vllm_srun.server.frontend.schemas import ClassifyBody, EmbeddingsBody, RerankBody
+from vllm_srun.server.frontend.tasks import (
+    entities_answer,
+    rerank_answer,
+    rerank_pairs,
+    task_mismatch,
+)
 from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
 from vllm_srun.server.pool.errors import ExchangeError, PoolError
+from vllm_srun.server.worker.bridge import OFFLOAD_CHARS
 from vllm_srun.server.worker.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -58,20 +65,32 @@ async def answer(request: Request, endpoint: str,
     return response
 
 
-async def infer(request: Request, dep: DeploymentPool, texts: list[str],
-                truncate: bool) -> tuple[np.ndarray, int, dict[str, str]]:
-    """Dispatch; rows, prompt tokens and the header naming the replica that answered."""
-    out, tokens, replica = await dep.infer(texts, truncate, caller_deadline(request))
+async def infer(request: Request, dep: DeploymentPool, texts: list[TextInput], truncate: bool,
+                field: str = "input") -> tuple[np.ndarray, int, dict[str, str]]:
+    """Dispatch; rows, prompt tokens and the header naming the replica that answered.
+    ``texts`` may hold (query, document) pairs; ``field`` names them in errors."""
+    out, tokens, replica = await dep.infer(texts, truncate, caller_deadline(request), field)
     return out, tokens, {REPLICA_HEADER: replica}
+
+
+async def off_loop(chars: int, fn, *args):
+    """``fn(*args)``; off the event loop when the input is big enough to tokenize slowly."""
+    if chars > OFFLOAD_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def usage(tokens: int) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
+def check_task(info: ModelInfo, endpoint: str) -> None:
+    if (wrong := task_mismatch(info.name, info.task, endpoint)) is not None:
+        raise ApiError("unsupported", wrong)
+
+
 def check_embedder(info: ModelInfo, dimensions: int | None) -> None:
-    if info.task is not Task.EMBED:
-        raise ApiError("unsupported", f"model {info.name!r} is a classifier; use /v1/classify")
+    check_task(info, "embeddings")
     if dimensions is not None and info.hidden_size is not None \
             and dimensions != info.hidden_size:
         raise ApiError("unsupported", f"dimensions must be {info.hidden_size} for "
@@ -120,21 +139,42 @@ async def classify(request: Request) -> Response:
         body = parse(await read_body(request, server.options.max_body_bytes), ClassifyBody)
         dep = server.pool.deployment_for(body.model)
         texts = texts_of(body.input)
-        if dep.info.task is not Task.CLASSIFY:
-            raise ApiError("unsupported", f"model {dep.info.name!r} has no classification "
-                                          "head; use /v1/embeddings")
+        check_task(dep.info, "classify")
         logits, tokens, headers = await infer(request, dep, texts, body.truncate)
-        return json_response({"object": "list", "model": dep.info.name,
-                              "data": class_scores(logits, dep.info.labels, body.top_k),
+        if dep.info.task is Task.TOKEN_CLASSIFY:  # entity spans per input (R7.4)
+            data = await off_loop(sum(len(t) for t in texts), entities_answer, dep.info,
+                                  texts, body.truncate, logits)
+        else:
+            data = class_scores(logits, dep.info.labels, body.top_k)
+        return json_response({"object": "list", "model": dep.info.name, "data": data,
                               "usage": usage(tokens)}, headers=headers)
     return await answer(request, "classify", work)
+
+
+@router.post("/v1/rerank", openapi_extra=body_schema(RerankBody))
+async def rerank(request: Request) -> Response:
+    """Cross-encoder reranking (R7.4): each (query, document) pair is a row; the pairs of one
+    request go to one replica as one unit."""
+    server = request.app.state.server
+
+    async def work() -> Response:
+        body = parse(await read_body(request, server.options.max_body_bytes), RerankBody)
+        dep = server.pool.deployment_for(body.model)
+        pairs = rerank_pairs(body)
+        check_task(dep.info, "rerank")
+        scores, tokens, headers = await infer(request, dep, pairs, body.truncate,
+                                              field="documents")
+        return json_response(rerank_answer(dep.info.name, body, pairs, scores, tokens),
+                             headers=headers)
+    return await answer(request, "rerank", work)
 
 
 def model_entry(dep: DeploymentPool, local_threads: int | None) -> dict:
     m = dep.info
     entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "vllm-srun",
              "deployment": dep.name, "revision": m.revision, "task": m.task.value,
-             "max_tokens": m.max_tokens, "dimensions": m.hidden_size,
+             "max_tokens": m.max_tokens,
+             "dimensions": m.hidden_size if m.task is Task.EMBED else None,
              "backend": dep.config.backend or "onnxruntime", "replicas": len(dep.replicas)}
     limits = [r.limits for r in dep.replicas if r.state == "ready" and r.limits]
     if limits and all(x == limits[0] for x in limits):

@@ -29,3 +29,23 @@ class ClassifyBody(BaseModel):
     model: StrictStr | None = None
     truncate: StrictBool = False
     top_k: StrictInt | None = Field(default=None, ge=1)
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: StrictStr
+
+
+class RerankBody(BaseModel):
+    """A rerank request as Cohere, Jina, infinity and text-embeddings-inference clients send
+    it (R7.4): documents are strings or ``{"text": ...}`` objects."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: StrictStr
+    documents: list[StrictStr | RerankDocument]
+    model: StrictStr | None = None
+    top_n: StrictInt | None = Field(default=None, ge=1)
+    return_documents: StrictBool = False
+    truncate: StrictBool = False

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_srun.runtime.types import Task
+from vllm_srun.runtime.types import Task, TextInput, input_chars
 from vllm_srun.server.pool import dispatch
 from vllm_srun.server.pool.config import DeploymentConfig
 from vllm_srun.server.pool.errors import ExchangeError, PoolError, Refusal
@@ -99,8 +99,9 @@ class DeploymentPool:
         caller_shorter = caller_deadline is not None and caller_deadline < limit
         return (caller_deadline if caller_shorter else limit), caller_shorter
 
-    async def infer(self, texts: list[str], truncate: bool,
-                    caller_deadline: float | None = None) -> tuple[np.ndarray, int, str]:
+    async def infer(self, texts: list[TextInput], truncate: bool,
+                    caller_deadline: float | None = None,
+                    field: str = "input") -> tuple[np.ndarray, int, str]:
         """Dispatch one request as one unit; returns (rows, prompt tokens, replica id).
         Running past the caller's shorter deadline counts toward ``consecutive_timeouts`` but
         causes no backoff (R5.5)."""
@@ -108,12 +109,12 @@ class DeploymentPool:
         if deadline <= time.monotonic():  # no exchange: it neither counts nor resets
             raise ExchangeError(Outcome.NOT_SENT, "deadline_exceeded",
                                 "deadline passed before the request reached a replica")
-        nbytes = sum(len(t) for t in texts)
+        nbytes = input_chars(texts)
         tried: set[str] = set()
         while True:
             replica = self.pick(nbytes, frozenset(tried))
             try:
-                out, tokens = await replica.call(texts, truncate, deadline)
+                out, tokens = await replica.call(texts, truncate, deadline, field)
             except ExchangeError as exc:
                 outcome = exc.outcome
                 if outcome is Outcome.TIMEOUT and caller_shorter:

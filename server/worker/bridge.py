@@ -11,17 +11,19 @@ import numpy as np
 
 from vllm_srun.runtime.errors import DeadlineExceeded
 from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.types import TextInput, input_chars
 
 OFFLOAD_CHARS = 20_000  # tokenize bigger requests off the event loop
 
-async def run(runner: Runner, texts: list[str], truncate: bool,
-               deadline: float | None) -> tuple[np.ndarray, int]:
+async def run(runner: Runner, texts: list[TextInput], truncate: bool,
+              deadline: float | None, field: str = "input") -> tuple[np.ndarray, int]:
     limit = time.monotonic() + runner.args.timeout_ms / 1000
     deadline = limit if deadline is None else min(deadline, limit)
-    if sum(len(t) for t in texts) > OFFLOAD_CHARS:
-        future, tokens = await asyncio.to_thread(runner.submit, texts, truncate, deadline)
+    if input_chars(texts) > OFFLOAD_CHARS:
+        future, tokens = await asyncio.to_thread(runner.submit, texts, truncate, deadline,
+                                                 field)
     else:
-        future, tokens = runner.submit(texts, truncate, deadline)
+        future, tokens = runner.submit(texts, truncate, deadline, field)
     return await answer(future, deadline), tokens
 
 

@@ -6,6 +6,9 @@ HTTP over the worker's owner-only Unix socket (R7.3):
   while loading (code ``not_ready``) or when a start-up check refused it (``check_failed``).
 - ``POST /work``: a JSON :class:`Work` -> ``application/octet-stream`` little-endian float32
   rows, with ``x-rows``, ``x-dim`` and ``x-tokens`` headers; an error is an R7.2 error body.
+  A text may be a ``[query, document]`` pair (reranking, R7.4), and ``field`` names the
+  inputs in errors. Per-token answers (token classification) add ``x-len``: the body is
+  ``[x-rows, x-len, x-dim]``, each row zero-padded after its own tokens.
 - ``GET /threads``: the worker's adaptive-threads report (JSON).
 - ``GET /metrics``: the worker's own Prometheus metrics (forward time by size and count).
 
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import orjson
+
+from vllm_srun.runtime.types import TextInput
 
 WORK, HEALTH, THREADS, METRICS = "/work", "/health", "/threads", "/metrics"
 CHECK_FAILED = "check_failed"
@@ -43,39 +48,59 @@ def error_status(code: str) -> int:
     return _STATUS.get(code, 400)
 
 
+def _inputs(items: object) -> list[TextInput]:
+    """Strings, or [text, text] pairs (a reranker's rows)."""
+    if not isinstance(items, list):
+        raise ProtocolError("bad worker request: texts must be a list")
+    out: list[TextInput] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list) and len(item) == 2 and all(isinstance(t, str)
+                                                               for t in item):
+            out.append((item[0], item[1]))
+        else:
+            raise ProtocolError("bad worker request: each of texts must be a string or a "
+                                "[text, text] pair")
+    return out
+
+
 @dataclass(frozen=True)
 class Work:
-    texts: list[str]
+    texts: list[TextInput]
     truncate: bool
     timeout_ms: int
+    field: str = "input"
 
     def encode(self) -> bytes:
         return orjson.dumps({"texts": self.texts, "truncate": self.truncate,
-                             "timeout_ms": self.timeout_ms})
+                             "timeout_ms": self.timeout_ms, "field": self.field})
 
     @classmethod
     def decode(cls, body: bytes) -> Work:
         try:
             raw = orjson.loads(body)
-            texts, truncate, timeout_ms = raw["texts"], raw.get("truncate", False), \
-                int(raw["timeout_ms"])
+            texts, timeout_ms = raw["texts"], int(raw["timeout_ms"])
+            truncate, field = bool(raw.get("truncate", False)), str(raw.get("field", "input"))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad worker request: {exc!r}") from None
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise ProtocolError("bad worker request: texts must be a list of strings")
-        return cls(texts, bool(truncate), timeout_ms)
+        return cls(_inputs(texts), truncate, timeout_ms, field)
 
 
 def encode_rows(rows: np.ndarray, tokens: int) -> tuple[bytes, dict[str, str]]:
     rows = rows.astype("<f4", copy=False)
-    return rows.tobytes(), {"x-rows": str(rows.shape[0]), "x-dim": str(rows.shape[1]),
-                            "x-tokens": str(tokens)}
+    headers = {"x-rows": str(rows.shape[0]), "x-dim": str(rows.shape[-1]),
+               "x-tokens": str(tokens)}
+    if rows.ndim == 3:  # per-token answers: [rows, x-len, x-dim]
+        headers["x-len"] = str(rows.shape[1])
+    return rows.tobytes(), headers
 
 
 def decode_rows(content: bytes, headers) -> tuple[np.ndarray, int]:
     try:
         n, dim, tokens = (int(headers[k]) for k in ("x-rows", "x-dim", "x-tokens"))
-        return np.frombuffer(content, dtype="<f4").reshape(n, dim), tokens
+        shape = (n, int(headers["x-len"]), dim) if "x-len" in headers else (n, dim)
+        return np.frombuffer(content, dtype="<f4").reshape(shape), tokens
     except (KeyError, ValueError) as exc:
         raise ProtocolError(f"bad worker answer: {exc!r}") from None
 

@@ -77,7 +77,7 @@ class AttachedReplica(Replica):
     async def probe(self) -> bool:
         return await transport.healthy(self.client)
 
-    async def call(self, texts, truncate, deadline):
+    async def call(self, texts, truncate, deadline, field="input"):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         payload = orjson.dumps({"model": self.model, "input": texts, "truncate": truncate,
                                 "encoding_format": "base64"})

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_srun.runtime.types import TextInput
 from vllm_srun.server.pool.dispatch import Load
 from vllm_srun.server.pool.states import ReplicaState
 
@@ -107,9 +108,10 @@ class Replica(abc.ABC):
         """One health probe: True when the replica says it is ready."""
 
     @abc.abstractmethod
-    async def call(self, texts: list[str], truncate: bool,
-                   deadline: float) -> tuple[np.ndarray, int]:
-        """One exchange: (rows, prompt tokens), or ExchangeError saying how it ended."""
+    async def call(self, texts: list[TextInput], truncate: bool, deadline: float,
+                   field: str = "input") -> tuple[np.ndarray, int]:
+        """One exchange: (rows, prompt tokens), or ExchangeError saying how it ended.
+        ``texts`` may hold text pairs (reranking); ``field`` names them in errors."""
 
     async def threads_report(self) -> dict:
         return {"notes": [f"{self.kind} replicas manage their own threads"]}

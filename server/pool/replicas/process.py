@@ -122,9 +122,9 @@ class ProcessReplica(Replica):
     async def probe(self) -> bool:
         return await transport.healthy(self.client)
 
-    async def call(self, texts, truncate, deadline):
+    async def call(self, texts, truncate, deadline, field="input"):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        payload = protocol.Work(list(texts), truncate, remaining_ms).encode()
+        payload = protocol.Work(list(texts), truncate, remaining_ms, field).encode()
         resp = await transport.post(self.id, self.client, protocol.WORK, payload,
                                     {"content-type": "application/json"}, deadline)
         if resp.status_code != 200:
