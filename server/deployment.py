@@ -87,7 +87,7 @@ class Deployment:
             runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
             runner.start()
             return runner
-        counts = allowed_counts(spec.args.num_threads, spec.max_threads)
+        counts = allowed_counts(spec.args.num_threads, spec.budget, spec.max_threads)
         record, error = open_record(self.record_path)
         scope = scope_for(manifest, backend, spec.budget)
         if record is not None:

@@ -28,11 +28,27 @@ def test_other_values_are_an_error_naming_the_variable(raw):
         parse_mode({ADAPTIVE_ENV: raw})
 
 
-@pytest.mark.parametrize(("configured", "top", "counts"), [
-    (1, None, (1,)), (2, None, (1, 2)), (6, None, (1, 2, 4, 6)), (16, None, (1, 2, 4, 8, 16)),
-    (1, 2, (1, 2)), (6, 16, (1, 2, 4, 6, 8, 16)), (4, 2, (1, 2, 4))])
-def test_allowed_counts(configured, top, counts):
-    assert allowed_counts(configured, top) == counts
+@pytest.mark.parametrize(("configured", "budget", "top", "counts"), [
+    (1, 1, None, (1,)), (1, 2, None, (1, 2)), (2, 2, None, (1, 2)),
+    (3, 6, None, (1, 2, 3, 4, 6)), (6, 12, None, (1, 2, 4, 6, 8, 12)),
+    (16, 64, None, (1, 2, 4, 8, 16)), (8, 24, None, (1, 2, 4, 8, 16)),
+    (1, 8, 2, (1, 2)), (6, 16, 16, (1, 2, 4, 6, 8, 16)), (4, 8, 2, (1, 2, 4)),
+    (4, 6, 6, (1, 2, 4, 6))])
+def test_allowed_counts_go_up_to_the_budget_unless_narrowed(configured, budget, top, counts):
+    """R4.2 (amended): 1, powers of two, the configured count and the budget, up to the
+    budget and at most 16 by default; --max-threads narrows; the configured count stays in."""
+    assert allowed_counts(configured, budget, top) == counts
+
+
+def test_a_default_server_may_learn_a_count_above_the_configured_one():
+    """R4.2: out of the box (no --max-threads) the default count (half the budget) is not the
+    top of the set, so mode 1 can learn that long inputs want more threads."""
+    from vllm_srun.runtime.budget import configured_threads
+
+    for budget in (2, 4, 16, 24):  # from 32 CPUs on, the default is already 16, the cap
+        configured = configured_threads(budget, None, {})
+        assert max(allowed_counts(configured, budget, max_threads(budget, None, {}))) > \
+            configured
 
 
 def test_max_threads_is_capped_by_the_budget():
