@@ -21,6 +21,7 @@ from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
 from vllm_srun.tuner.report import build, from_tuner
+from vllm_srun.tuner.shadows import idle_shadows
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,10 @@ class Deployment:
             except HostRecordError as exc:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
+        shadow_forward, close_shadows = idle_shadows(backend)
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
-                                runner.engine.forward_batch, spec.settings)
+                                runner.engine.forward_batch, spec.settings,
+                                shadow_forward=shadow_forward, on_close=close_shadows)
         tuner.record_error = tuner.record_error or error
         runner.engine.threads = tuner
         self.tuner = tuner

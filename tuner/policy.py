@@ -66,9 +66,37 @@ def counts_needing_samples(samples_by_count: Mapping[int, Sequence[float]],
     return [n for n in counts if len(samples_by_count.get(n, ())) < target]
 
 
+def clean_window(busy_at_start: int, epoch_at_start: int, epoch_at_end: int) -> bool:
+    """A shadow's time is a sample only if no served forward ran at any moment of it: none
+    was running when it started and none started or ended before it finished (R4.5)."""
+    return busy_at_start == 0 and epoch_at_start == epoch_at_end
+
+
+def shadow_plan(need: Sequence[int], mode_serves: bool, learned: int | None,
+                configured: int, serving: bool, served_at_learned: int,
+                audit_every: int) -> list[int]:
+    """Counts to run as shadows of one served batch: every count its range still lacks
+    samples for; else mode 2's transition window (the learned count); else, every
+    ``audit_every``-th served forward of a learned range, the configured count as an audit
+    of a forward served at the learned count, or the learned count as a watch on its speed
+    (R4.11) where it is not the one served."""
+    if need:
+        return list(need)
+    if learned is None:
+        return []
+    if mode_serves and learned != configured and not serving:
+        return [learned]
+    if served_at_learned % audit_every:
+        return []
+    if serving:
+        return [configured]
+    return [learned] if learned != configured else []
+
+
 def moved(recent_per_token: Sequence[float], baseline_per_token: float,
           factor: float) -> bool:
-    """Served forwards now run ``factor`` slower or faster than when the count was learned."""
+    """Forwards at the learned count now run ``factor`` slower or faster than that same count
+    ran when it was learned (R4.11: never a comparison across counts)."""
     if not recent_per_token or baseline_per_token <= 0:
         return False
     ratio = float(np.median(recent_per_token)) / baseline_per_token

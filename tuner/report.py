@@ -30,9 +30,10 @@ class ReportInput:
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
-    """A copy of the tuner's state (the engine thread keeps changing the original)."""
-    ranges = {lo: replace(r, samples={n: list(v) for n, v in list(r.samples.items())})
-              for lo, r in list(t.ranges.items())}
+    """A copy of the tuner's state (the engine and shadow threads keep changing it)."""
+    with t.lock:
+        ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
+                  for lo, r in t.ranges.items()}
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
                        t.locked_reason, record_path, t.record_error)
 
