@@ -297,20 +297,18 @@ class AdaptiveThreads:
         if job.served_threads != self.configured:
             self.audits += 1
         r = self.ranges.setdefault(lo, RangeLearning())
-        due = r.learned is None and count in counts_needing_samples(
-            r.samples, self.counts, self.settings.min_samples)
         if clean:
             self._sample(lo, r, count, result.forward_s * 1000, job.batch.padded_tokens)
         else:
             self.discarded += 1
-        if clean or not due:  # an overlapped count still due stays: the batch runs again
-            if job.counts and job.counts[0] == count:
-                job.counts.pop(0)
-        elif job.counts and job.counts[0] == count:
-            job.counts.append(job.counts.pop(0))
+        r = self.ranges[lo]
+        if count in job.counts:
+            job.counts.remove(count)
+        if r.learned is None and count in counts_needing_samples(
+                r.samples, self.counts, self.settings.min_samples):
+            job.counts.append(count)  # still due: this batch (a shape load made) runs again
         if not job.counts and self._jobs.get(lo) is job:
             del self._jobs[lo]
-        r = self.ranges[lo]
         if count == r.learned and count != job.served_threads:
             r.streak += 1
             self._dirty_learned.add(lo)
