@@ -172,7 +172,8 @@ def test_mode1_learns_from_real_timings(backends, tmp_path):
     assert {r.num_threads for r in runner.served} == {1}
     learned = record.learned(tuner.scope)[64]
     assert learned["num_threads"] in (1, 2)
-    assert {n: len(s) for n, s in record.timings(tuner.scope)[64].items()} == {1: 3, 2: 3}
+    timed = {n: len(s) for n, s in record.timings(tuner.scope)[64].items()}
+    assert timed[1] >= 3 and timed[2] >= 3  # explored, then probes (R4.11) add to them
 
 
 def test_mode2_without_voucher_acts_as_mode1_and_says_why(backends, tmp_path):
@@ -288,11 +289,11 @@ def test_a_restarted_worker_learns_from_fresh_samples_and_keeps_voucher_and_drif
             serve_paced(runner, tuner, row(80, i))
         assert {r.num_threads for r in runner.served} == {1}
         assert tuner.ranges[64].learned == 1
-        assert {n: len(v) for n, v in tuner.ranges[64].samples.items()} == {1: 3, 2: 3}
+        assert all(len(tuner.ranges[64].samples[n]) >= 3 for n in (1, 2))
     finally:
         runner.stop()
     history = HostRecord(tmp_path / "r.sqlite").timings(scope)[64]
-    assert len(history[1]) == 63 and history[1][:60] == [1000.0] * 60  # old ones kept
+    assert len(history[1]) >= 63 and history[1][:60] == [1000.0] * 60  # old ones kept
     record.record_drift(scope, DriftEvent(7, 1, 2, (0, 0), 0.0, 1.0))
     runner, tuner = start(backend, record, AdaptiveMode.SERVE, 1, (1, 2))
     try:

@@ -12,7 +12,14 @@ from vllm_srun.tuner.modes import (
     max_threads,
     parse_mode,
 )
-from vllm_srun.tuner.policy import counts_needing_samples, learned_count, moved
+from vllm_srun.tuner.policy import (
+    clean_window,
+    counts_needing_samples,
+    learned_count,
+    losing_counts,
+    moved,
+    shadow_plan,
+)
 
 
 @pytest.mark.parametrize(("raw", "mode"), [(None, AdaptiveMode.OFF), ("", AdaptiveMode.OFF),
@@ -78,3 +85,30 @@ def test_relearning_triggers_when_served_time_moves_either_way():
     assert moved([3.0, 3.1, 2.9], 1.0, 1.5)
     assert moved([0.5, 0.6], 1.0, 1.5)
     assert not moved([1.2, 1.3, 1.1], 1.0, 1.5)
+
+
+def test_a_shadow_is_a_sample_only_if_no_served_forward_ran_during_it():
+    """R4.5 (amended): an overlapped shadow is discarded, not stored."""
+    assert clean_window(0, 10, 10)
+    assert not clean_window(1, 10, 10)  # one was running when it started
+    assert not clean_window(0, 10, 11)  # one started during it
+    assert not clean_window(0, 10, 12)  # one started and ended during it
+
+
+def test_counts_far_behind_after_their_first_samples_need_no_more():
+    samples = {1: [10.0] * 3, 2: [6.0] * 3, 16: [40.0] * 3}
+    assert losing_counts(samples, (1, 2, 16), 3, 2.0) == {16}
+    assert counts_needing_samples(samples, (1, 2, 16), 12) == [1, 2]
+    full = {1: [10.0] * 12, 2: [6.0] * 12, 16: [40.0] * 3}
+    assert learned_count(full, (1, 2, 16), 1, 12, 0.05) == 2
+
+
+def test_shadow_plan():
+    """Exploring: every count due; mode 2's window: the learned count; then every Nth
+    forward one probe at another count than the served one, in turn (R4.11)."""
+    assert shadow_plan([1, 4], False, None, 2, (1, 2, 4), 0, 8) == [1, 4]
+    assert shadow_plan([], True, 4, 2, (1, 2, 4), 3, 8) == [4]
+    assert shadow_plan([], False, 4, 4, (1, 2, 4), 3, 8) == []
+    probes = [shadow_plan([], False, 4, 4, (1, 2, 4), i, 8) for i in (8, 16, 24)]
+    assert probes == [[2], [1], [2]]
+    assert shadow_plan([], False, 1, 1, (1,), 8, 8) == []

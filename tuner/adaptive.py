@@ -16,10 +16,13 @@ comparison (and mode 2's transition window moves on). Any difference is drift: l
 retires for good for this scope (stored durably) and every range serves the configured count.
 
 A count is learned once every allowed count has ``min_samples`` clean samples; it then stays
-until relearning (R4.11): forwards at the learned count are compared with forwards at that
-same count when it was learned (watch shadows with the samples it was learned from; served
-forwards, once it is served, with its first served ones), and a range whose time moved by
-``relearn_factor`` either way explores again from fresh samples. A new worker starts from
+until relearning (R4.11): forwards at each count are compared with forwards at that same
+count when the range was learned (every ``audit_every``-th served forward gets a probe shadow
+at another count, in turn, compared with the samples it was learned from; served forwards
+with the first ones served after learning), and a range where one count's time moved by
+``relearn_factor`` either way explores again from fresh samples (when a probe moved, mode 2
+goes on serving the count it had verified until the new one passes its window; when the
+served count itself moved, it serves the configured count meanwhile). A new worker starts from
 fresh samples too; the record keeps the old ones as history, and its drift and voucher hold.
 
 Invariant: mode 1 serves every forward at the configured count; mode 2 serves a learned count
@@ -33,7 +36,6 @@ import hashlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,10 +65,11 @@ class TunerSettings:
     min_samples: int = 12  # clean timed shadows per count per range before a count is learned
     window: int = 8  # mode 2: consecutive verified shadows before a learned count serves
     margin: float = 0.05  # a non-configured count must be this much faster
-    audit_every: int = 8  # every Nth forward of a learned range gets an audit/watch shadow
+    audit_every: int = 8  # every Nth forward of a learned range: a probe (and audit) shadow
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
     relearn_factor: float = 2.0  # time at the learned count moved this much: explore again
-    relearn_window: int = 16  # forwards at the learned count each relearning check rests on
+    relearn_window: int = 16  # served forwards at one count each relearning check rests on
+    probe_window: int = 6  # probe shadows at one count each relearning check rests on
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 48  # recent samples per count per range that decisions rest on
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
@@ -81,10 +84,11 @@ class RangeLearning:
     serving: bool = False
     relearning: bool = False
     relearns: int = 0
+    keep_serving: int | None = None  # mode 2, relearning: the verified count served meanwhile
     served_at_learned: int = 0
-    watch: str | None = None  # what the learned count's time is watched on: shadow, served
-    baseline_per_token: float | None = None  # the learned count's own ms/token when learned
-    recent_per_token: deque = field(default_factory=lambda: deque(maxlen=64))
+    # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
+    baselines: dict[tuple[int, str], float] = field(default_factory=dict)
+    recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -235,9 +239,11 @@ class AdaptiveThreads:
 
     def _serving_count(self, lo: int) -> int:
         r = self.ranges.get(lo)
-        if r is not None and r.serving and self.retired is None and self.locked_reason is None:
+        if r is None or self.retired is not None or self.locked_reason is not None:
+            return self.configured
+        if r.serving:
             return r.learned
-        return self.configured
+        return r.keep_serving or self.configured
 
     def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
         """A served forward ended (``None``: it failed)."""
@@ -249,17 +255,19 @@ class AdaptiveThreads:
                 return
             lo = size_range(batch.padded_tokens)[0]
             r = self.ranges.setdefault(lo, RangeLearning())
-            if r.learned is not None and result.num_threads == r.learned:
-                self._watch(lo, r, "served", result.forward_s * 1000 / batch.padded_tokens)
+            s = self.settings
+            if r.learned is not None:
+                self._watch(lo, r, (result.num_threads, "served"),
+                            result.forward_s * 1000 / batch.padded_tokens, s.relearn_window)
                 r = self.ranges[lo]
             if r.learned is not None:
                 r.served_at_learned += 1
-            s = self.settings
             need = counts_needing_samples(r.samples, self.counts, s.min_samples) \
                 if r.learned is None else []
-            counts = shadow_plan(need, self.mode is AdaptiveMode.SERVE and self.voucher.vouches,
-                                 r.learned, self.configured, r.serving, r.served_at_learned,
-                                 s.audit_every)
+            window_due = (self.mode is AdaptiveMode.SERVE and self.voucher.vouches
+                          and r.learned not in (None, self.configured) and not r.serving)
+            counts = shadow_plan(need, window_due, r.learned, result.num_threads, self.counts,
+                                 r.served_at_learned, s.audit_every)
             if counts:
                 self._jobs.pop(lo, None)  # the newest batch of a range goes to the back
                 self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
@@ -323,8 +331,8 @@ class AdaptiveThreads:
         self._dirty_samples.setdefault((lo, count), []).append(ms)
         if r.learned is None:
             self._update(lo, r)
-        elif count == r.learned:
-            self._watch(lo, r, "shadow", ms / tokens)
+        else:
+            self._watch(lo, r, (count, "shadow"), ms / tokens, self.settings.probe_window)
 
     def _update(self, lo: int, r: RangeLearning) -> None:
         s = self.settings
@@ -332,8 +340,10 @@ class AdaptiveThreads:
         if new is None:
             return
         r.learned, r.streak, r.serving, r.relearning = new, 0, False, False
-        r.watch, r.baseline_per_token = "shadow", float(np.median(r.per_token[new]))
-        r.recent_per_token.clear()
+        if new == self.configured or self.mode is not AdaptiveMode.SERVE:
+            r.keep_serving = None
+        r.baselines = {(n, "shadow"): float(np.median(v)) for n, v in r.per_token.items()}
+        r.recent = {}
         self._dirty_learned.add(lo)
         log.info("threads_learned range=%d-%d num_threads=%d speedup=%.3f", lo, 2 * lo - 1,
                  new, self._speedup(r))
@@ -342,7 +352,7 @@ class AdaptiveThreads:
         if (self.mode is AdaptiveMode.SERVE and not r.serving and self.retired is None
                 and r.learned not in (None, self.configured)
                 and r.streak >= self.settings.window and self.voucher.vouches):
-            r.serving = True
+            r.serving, r.keep_serving = True, None
             log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
                      lo, 2 * lo - 1, r.learned, r.streak)
 
@@ -350,30 +360,28 @@ class AdaptiveThreads:
         a, b = r.samples.get(self.configured), r.samples.get(r.learned or self.configured)
         return float(np.median(a) / np.median(b)) if a and b else 1.0
 
-    def _watch(self, lo: int, r: RangeLearning, kind: str, per_token_ms: float) -> None:
-        """R4.11: a forward at the learned count, against that count's time when learned,
-        like against like: shadow samples (SCHED_IDLE, clean windows) against the samples it
-        was learned from; once the learned count is served, served forwards against its first
-        ``relearn_window`` served forwards."""
-        s = self.settings
-        if kind != r.watch:
-            if kind != "served":
-                return  # served forwards at the learned count are watched instead
-            r.watch, r.baseline_per_token = "served", None
-            r.recent_per_token.clear()
-        r.recent_per_token.append(per_token_ms)
-        if len(r.recent_per_token) < s.relearn_window:
+    def _watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
+               window: int) -> None:
+        """R4.11: forwards at one count against forwards at that same count when the range
+        was learned, like against like: probe shadows (clean, SCHED_IDLE) against the samples
+        it was learned from; served forwards against the first ``window`` served after it
+        was learned. A learned count far faster than the configured one never triggers it;
+        a neighbour that arrives slows the served count, one that leaves speeds up a probe."""
+        recent = r.recent.setdefault(key, [])
+        recent.append(per_token_ms)
+        if len(recent) < window:
             return
-        recent = list(r.recent_per_token)[-s.relearn_window:]
-        r.recent_per_token.clear()
-        if r.baseline_per_token is None:
-            r.baseline_per_token = float(np.median(recent))
+        r.recent[key] = []
+        baseline = r.baselines.get(key)
+        if baseline is None:
+            r.baselines[key] = float(np.median(recent))
             return
-        if moved(recent, r.baseline_per_token, s.relearn_factor):
-            log.info("threads_relearn range=%d-%d num_threads=%d reason=time_at_learned_moved "
-                     "ratio=%.2f", lo, 2 * lo - 1, r.learned,
-                     float(np.median(recent)) / r.baseline_per_token)
-            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1)
+        if moved(recent, baseline, self.settings.relearn_factor):
+            log.info("threads_relearn range=%d-%d num_threads=%d forwards=%s ratio=%.2f",
+                     lo, 2 * lo - 1, key[0], key[1], float(np.median(recent)) / baseline)
+            keep = r.learned if r.serving and key[1] == "shadow" else None  # not if it slowed
+            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
+                                            keep_serving=keep)
             self._jobs.pop(lo, None)
 
     def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:
@@ -383,7 +391,7 @@ class AdaptiveThreads:
                            float(job.outputs[at]), float(result.outputs[at]), time.time())
         self.retired = event
         for r in self.ranges.values():
-            r.serving = False
+            r.serving, r.keep_serving = False, None
         self._jobs.clear()
         log.warning("threads_drift padded_tokens=%d served_threads=%d shadow_threads=%d "
                     "first_index=%s served=%r shadow=%r", event.padded_tokens,

@@ -62,7 +62,8 @@ def build(inp: ReportInput) -> dict:
             per_count[str(n)] = ({"median_ms": round(s.median_ms, 3), "p90_ms": round(s.p90_ms, 3),
                                   "samples": s.samples} if s else
                                  {"median_ms": None, "p90_ms": None, "samples": 0})
-        served = r.learned if (r.serving and inp.drift is None) else inp.configured
+        served = inp.configured if inp.drift is not None or inp.locked_reason else \
+            r.learned if r.serving else (r.keep_serving or inp.configured)
         up = speedup(r.samples, inp.configured, r.learned) if r.learned else None
         ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
                        "counts": per_count, "learned_threads": r.learned,
