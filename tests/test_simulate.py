@@ -8,7 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_srun.tuner.simulate import Neighbour, SimulatedHost, TimeModel, poisson_trace
+from vllm_srun.tuner.simulate import (
+    Neighbour,
+    SimulatedHost,
+    TimeModel,
+    poisson_trace,
+    shifting_trace,
+)
 
 SIZES = [16, 16, 64, 256, 1024]
 
@@ -81,14 +87,6 @@ def test_a_neighbour_is_tracked_within_180_s_of_arriving_and_of_leaving(seed):
         assert settled_s(model, outcome, trace, 16, start, end, free) == 0.0  # short: kept
 
 
-def shifting(seed: int) -> list:
-    """Long inputs on a quiet host, then beside a neighbour, then a burst of short ones."""
-    long = [1024, 1024, 1024, 256, 16]
-    return (poisson_trace(8, 300, long, seed=seed)
-            + poisson_trace(8, 300, long, seed=seed + 1, start_s=300)
-            + poisson_trace(40, 300, [16, 16, 16, 64, 256], seed=seed + 2, start_s=600))
-
-
 @pytest.mark.parametrize("seed", [10, 20, 30])
 @pytest.mark.parametrize(("cores", "taken", "latency_gain"), [(16, 12, 1.0), (64, 60, 0.95),
                                                               (4, 3, 1.1)])
@@ -100,7 +98,7 @@ def test_on_a_shifting_load_adaptive_beats_every_fixed_count(cores, taken, laten
     relearns beside the neighbour); 4 cores (a quarter of the traffic) 1.24-1.28x forwards,
     1.22-1.27x latency."""
     model, neighbours = TimeModel(cores), [Neighbour(taken, 300, 600)]
-    trace = shifting(seed)
+    trace = shifting_trace(seed)
     if cores == 4:  # a 4-core host takes a quarter of the traffic
         trace = trace[::4]
     adaptive = SimulatedHost(model, neighbours, seed=1).run(trace)

@@ -183,3 +183,38 @@ def poisson_trace(rate_per_s: float, duration_s: float, sizes: Sequence[int],
         if t >= start_s + duration_s:
             return out
         out.append(Arrival(t, int(sizes[int(rng.integers(len(sizes)))])))
+
+
+def shifting_trace(seed: int) -> list[Arrival]:
+    """Long inputs on a quiet host (0-300 s), the same beside a neighbour (300-600 s, give it
+    as ``Neighbour(k, 300, 600)``), then a burst of short ones (600-900 s)."""
+    long = [1024, 1024, 1024, 256, 16]
+    return (poisson_trace(8, 300, long, seed=seed)
+            + poisson_trace(8, 300, long, seed=seed + 1, start_s=300)
+            + poisson_trace(40, 300, [16, 16, 16, 64, 256], seed=seed + 2, start_s=600))
+
+
+def compare(cores: int, taken: int, seed: int = 10) -> dict[str, tuple[float, float]]:
+    """Mean served forward ms and mean latency ms on the shifting trace: mode 2 (vouched)
+    and every fixed allowed count."""
+    model, neighbours = TimeModel(cores), [Neighbour(taken, 300, 600)]
+    trace = shifting_trace(seed)
+    if cores <= 4:  # a small host takes a quarter of the traffic
+        trace = trace[::4]
+    runs = {"adaptive (mode 2)": SimulatedHost(model, neighbours, seed=1).run(trace)}
+    for n in SimulatedHost(model).counts:
+        runs[f"fixed {n}"] = SimulatedHost(model, neighbours, fixed=n, seed=1).run(trace)
+    return {k: (float(np.mean(o.served_ms)), o.mean_latency_ms) for k, o in runs.items()}
+
+
+def main() -> None:
+    """``python -m vllm_srun.tuner.simulate``: the shifting-load comparison as a table."""
+    for cores, taken in ((4, 3), (16, 12), (64, 60)):
+        print(f"\n{cores} cores, a neighbour takes {taken} from 300 s to 600 s")
+        print("| worker | mean forward ms | mean latency ms |\n|---|---|---|")
+        for name, (served, latency) in compare(cores, taken).items():
+            print(f"| {name} | {served:.2f} | {latency:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
