@@ -65,6 +65,22 @@ def pin_torch_threads(num_threads: int) -> None:
             torch.set_num_threads(num_threads)
 
 
+def make_process_idle() -> bool:
+    """Put every thread of this process in ``SCHED_IDLE`` (those an import already started,
+    such as a BLAS pool, too); threads made later inherit it from their creator."""
+    ok = make_idle()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return ok
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # it ended meanwhile
+            continue
+    return ok
+
+
 def lane_threads() -> int | None:
     """The count of the lane the caller runs on, or None outside a lane."""
     return getattr(_local, "lane_threads", None)

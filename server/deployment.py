@@ -21,7 +21,7 @@ from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
 from vllm_srun.tuner.report import build, from_tuner
-from vllm_srun.tuner.shadows import idle_shadows
+from vllm_srun.tuner.shadows import shadow_process
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Deployment:
             except HostRecordError as exc:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
-        shadow_forward, close_shadows = idle_shadows(backend)
+        shadow_forward, close_shadows = shadow_process(manifest, backend.name.value)
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
                                 runner.engine.forward_batch, spec.settings,
                                 shadow_forward=shadow_forward, on_close=close_shadows)

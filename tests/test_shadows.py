@@ -1,7 +1,8 @@
 """R4.5 (amended): shadows never in the way, and a busy worker learns the shapes load makes.
 
-Real backends and the real engine and tuner, wired as a deployment wires them (shadows on
-``SCHED_IDLE`` lanes over the backend's twin). Scheduling policies are read from
+Real backends and the real engine and tuner. A deployment runs shadows in a ``SCHED_IDLE``
+child process; tests that wrap a backend use the in-process variant (``SCHED_IDLE`` lanes over
+the backend's twin), checked here too. Scheduling policies are read from
 ``/proc/<pid>/task/<tid>/sched`` (5 = SCHED_IDLE).
 """
 
@@ -26,18 +27,18 @@ from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.threads import SCHED_IDLE_POLICY, ThreadContext
 from vllm_srun.runtime.types import EngineArgs
-from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
+from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.shadows import idle_shadows
+from vllm_srun.tuner.shadows import idle_shadows, shadow_process
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE")
 
 
-def thread_policies() -> dict[int, int]:
-    """tid -> scheduling policy of every thread of this process."""
+def thread_policies(pid: int | None = None) -> dict[int, int]:
+    """tid -> scheduling policy of every thread of a process (default: this one)."""
     out = {}
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+    for task in Path(f"/proc/{pid or os.getpid()}/task").iterdir():
         try:
             text = (task / "sched").read_text()
             line = next(x for x in text.splitlines() if x.startswith("policy"))
@@ -174,3 +175,30 @@ def test_ranges_that_only_load_reaches_get_learned():
             (lo, under_load, tuner.discarded)
     print(f"ranges reached {sorted(reached)}; samples when the load stopped {under_load}; "
           f"{tuner.discarded} shadows overlapped a served forward and were not timed")
+
+
+def test_a_deployments_shadow_process_runs_every_thread_in_sched_idle():
+    """What a deployment uses: a child process in SCHED_IDLE before it loads anything, so
+    every thread in it (lanes, onnxruntime pools) is idle; it shares no lock, not even the
+    GIL, with the worker. Its answers are the served path's, bit for bit."""
+    manifest = resolve(L3)
+    served = load_backend(manifest, "onnxruntime")
+    idle_before = {t for t, p in thread_policies().items() if p == SCHED_IDLE_POLICY}
+    shadow_forward, close = shadow_process(manifest, "onnxruntime")
+    proc = shadow_forward.__self__.process
+    try:
+        batch = pad([row(120)])
+        context = ThreadContext()
+        for n in (1, 2):
+            shadow = shadow_forward(batch, n)
+            assert shadow.observed_threads == n
+            reference = context.run(1, lambda: served.forward(batch, 1))
+            assert np.array_equal(output_bits(shadow.outputs), output_bits(reference.outputs))
+        context.shutdown()
+        policies = thread_policies(proc.pid)
+        assert len(policies) >= 3 and set(policies.values()) == {SCHED_IDLE_POLICY}
+        idle_now = {t for t, p in thread_policies().items() if p == SCHED_IDLE_POLICY}
+        assert idle_now <= idle_before  # no thread of the worker itself went idle
+    finally:
+        close()
+    assert not proc.is_alive()

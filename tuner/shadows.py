@@ -1,22 +1,32 @@
-"""Where shadow forwards run (R4.5 amended): threads of the tuner's own in ``SCHED_IDLE``.
+"""Where shadow forwards run (R4.5 amended): in ``SCHED_IDLE``, where a served forward
+preempts them.
 
-The loop thread puts itself in ``SCHED_IDLE``; shadow forwards run on an idle thread context
-(its lanes are ``SCHED_IDLE`` too) over the backend's twin, so the intra-op pools they use are
-made by idle threads and inherit the policy. Nothing here is held while a served forward
-needs it: the tuner's lock guards bookkeeping only, and a shadow starts only while no served
-forward runs.
+``shadow_process`` (what a deployment uses): a child process that puts itself in
+``SCHED_IDLE`` before it loads its own copy of the backend, so every thread it makes (its
+lanes, onnxruntime's session pools, torch's OpenMP teams) inherits the policy. It shares no
+lock with the worker, not even Python's GIL: a shadow thread of the worker's own process that
+held the GIL while the kernel starved it (SCHED_IDLE on a busy host) would stall the served
+forward waiting for the GIL (measured: served p99 12x worse on this shared host).
+
+``idle_shadows``: the same in-process, on ``SCHED_IDLE`` lanes over the backend's twin (tests
+that wrap a backend use it; it has that GIL hazard). ``ShadowLoop`` is the tuner's thread: it
+only hands batches over and keeps the books, at normal priority, holding the tuner's lock for
+bookkeeping only; a shadow starts only while no served forward runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vllm_srun.runtime.backend import Backend
-from vllm_srun.runtime.threads import ThreadContext, make_idle
-from vllm_srun.runtime.types import ForwardResult, TokenBatch
+from vllm_srun.runtime.backend import Backend, load_backend
+from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.runtime.threads import ThreadContext, make_process_idle
+from vllm_srun.runtime.types import ForwardResult, Manifest, TokenBatch
 
 if TYPE_CHECKING:
     from vllm_srun.tuner.adaptive import AdaptiveThreads, Forward
@@ -36,10 +46,69 @@ def idle_shadows(backend: Backend) -> tuple[Forward, Callable[[], None]]:
     return forward, context.shutdown
 
 
+class ShadowProcess:
+    """Shadow forwards in a ``SCHED_IDLE`` child process with its own copy of the backend."""
+
+    def __init__(self, manifest: Manifest, backend: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve_shadows, args=(child, manifest, backend),
+                                   name="vllm-srun-shadows", daemon=True)
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+
+    def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
+        with self._lock:
+            try:
+                self._conn.send((batch.input_ids, batch.attention_mask, num_threads))
+                ok, payload = self._conn.recv()
+            except (OSError, EOFError) as exc:
+                raise RuntimeFault(f"shadow process gone: {exc}") from exc
+        if not ok:
+            raise RuntimeFault(f"shadow forward failed: {payload}")
+        return ForwardResult(*payload)
+
+    def close(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            self._conn.send(None)
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+        self._conn.close()
+
+
+def _serve_shadows(conn, manifest: Manifest, backend_name: str) -> None:
+    make_process_idle()  # every thread made from here on inherits it
+    backend = load_backend(manifest, backend_name)
+    context = ThreadContext()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        ids, mask, n = msg
+        batch = TokenBatch(ids, mask)
+        try:
+            r = context.run(n, lambda b=batch, k=n: backend.forward(b, k))
+            conn.send((True, (r.outputs, r.num_threads, r.observed_threads, r.forward_s)))
+        except Exception as exc:  # reported to the tuner, which logs it
+            conn.send((False, repr(exc)))
+
+
+def shadow_process(manifest: Manifest, backend: str) -> tuple[Forward, Callable[[], None]]:
+    """A shadow ``Forward`` served by a ``ShadowProcess``, and how to stop it."""
+    proc = ShadowProcess(manifest, backend)
+    return proc.forward, proc.close
+
+
 class ShadowLoop:
-    """The tuner's own thread: ``SCHED_IDLE`` (threads it creates inherit it), it warms every
-    count on the shadow lanes, then runs due shadows whenever no served forward runs, and
-    writes learnings to the record every ``flush_s``."""
+    """The tuner's own thread (normal priority: it holds the GIL and the tuner's lock only for
+    bookkeeping): it warms every count on the shadow side, then runs due shadows whenever no
+    served forward runs, and writes learnings to the record every ``flush_s``."""
 
     def __init__(self, tuner: AdaptiveThreads, warm: TokenBatch) -> None:
         self.tuner, self._warm = tuner, warm
@@ -49,7 +118,6 @@ class ShadowLoop:
 
     def _run(self) -> None:
         t = self.tuner
-        make_idle()
         try:
             for n in t.counts:  # warm every count before it is timed
                 t.shadow_forward(self._warm, n)
