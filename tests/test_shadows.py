@@ -202,3 +202,27 @@ def test_a_deployments_shadow_process_runs_every_thread_in_sched_idle():
     finally:
         close()
     assert not proc.is_alive()
+
+
+def test_a_killed_shadow_process_stops_learning_not_serving_and_the_report_says_so():
+    from vllm_srun.tuner.report import build, from_tuner
+
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0))
+    shadow_forward, close = shadow_process(manifest, "onnxruntime")
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", manifest.revision, "o"),
+                            None, runner.engine.forward_batch,
+                            TunerSettings(min_samples=3, budget_fraction=1.0),
+                            shadow_forward=shadow_forward, on_close=close)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    try:
+        shadow_forward.__self__.process.kill()
+        for i in range(5):
+            assert runner.engine.submit([row(60, i)]).result(timeout=30).shape == (1, 384)
+        assert wait_for(lambda: tuner.shadow_error is not None, 30)
+        assert any("shadow forwards stopped" in n for n in build(from_tuner(tuner))["notes"])
+        assert runner.engine.submit([row(60, 9)]).result(timeout=30).shape == (1, 384)
+    finally:
+        runner.stop()

@@ -121,6 +121,7 @@ class AdaptiveThreads:
         self.on_close = on_close
         self.locked_reason: str | None = "golden check has not run"
         self.record_error: str | None = None
+        self.shadow_error: str | None = None
         self.ranges: dict[int, RangeLearning] = {}
         self.comparisons = 0
         self.audits = 0  # verified shadows of forwards served at a learned count

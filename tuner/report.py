@@ -27,6 +27,7 @@ class ReportInput:
     locked_reason: str | None = None
     record_path: str | None = None
     record_error: str | None = None
+    shadow_error: str | None = None
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -35,7 +36,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
         ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
                   for lo, r in t.ranges.items()}
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
-                       t.locked_reason, record_path, t.record_error)
+                       t.locked_reason, record_path, t.record_error, t.shadow_error)
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
@@ -79,6 +80,8 @@ def build(inp: ReportInput) -> dict:
         notes.append(CBWR_REMEDY)
     if inp.locked_reason:
         notes.append(inp.locked_reason)
+    if inp.shadow_error:
+        notes.append(inp.shadow_error)
     if inp.record_error:
         notes.append(f"host record not written, learning kept in memory: {inp.record_error}")
     return {

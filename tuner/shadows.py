@@ -130,7 +130,8 @@ class ShadowLoop:
                 with t.lock:  # woken when a served forward ends
                     if not self._stop:
                         t.lock.wait(timeout=0.05 if t._jobs else t.settings.flush_s)
-        except Exception:
+        except Exception as exc:  # learning stops; serving goes on, and the report says why
+            t.shadow_error = f"shadow forwards stopped: {exc}"
             log.exception("shadow_loop_failed")
 
     def stop(self) -> None:
