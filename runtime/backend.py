@@ -23,6 +23,11 @@ class Backend(Protocol):
 
     def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult: ...
 
+    def twin(self) -> Backend:
+        """A backend for shadow forwards: the same answers, but no thread pool or lock shared
+        with this one, its pools made by whichever thread first runs each count on it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -47,7 +52,8 @@ class OnnxBackend:
 
     name = BackendName.ONNXRUNTIME
 
-    def __init__(self, manifest: Manifest, onnx_path: str) -> None:
+    def __init__(self, manifest: Manifest, onnx_path: str,
+                 like: OnnxBackend | None = None) -> None:
         import onnxruntime as ort
 
         self._ort = ort
@@ -55,6 +61,9 @@ class OnnxBackend:
         self.onnx_path = onnx_path
         self._sessions: dict[int, object] = {}
         self._lock = threading.Lock()
+        if like is not None:  # a twin: no session until a thread runs a count on it
+            self._input_names, self._output = like._input_names, like._output
+            return
         probe = self._session(1)
         self._input_names = [i.name for i in probe.get_inputs()]
         want_rank = OUTPUT_RANK[manifest.task]
@@ -93,6 +102,11 @@ class OnnxBackend:
         observed = session.get_session_options().intra_op_num_threads
         return ForwardResult(_finish(self.manifest, out, batch), num_threads, observed, forward_s)
 
+    def twin(self) -> OnnxBackend:
+        """Sessions of its own: an onnxruntime session's intra-op pool is made by the thread
+        that creates the session, and served and shadow forwards must not share one."""
+        return OnnxBackend(self.manifest, self.onnx_path, like=self)
+
     def close(self) -> None:
         with self._lock:
             self._sessions.clear()
@@ -130,6 +144,11 @@ class TorchBackend:
         forward_s = time.perf_counter() - start
         observed = self._seen.num_threads
         return ForwardResult(_finish(self.manifest, out, batch), num_threads, observed, forward_s)
+
+    def twin(self) -> TorchBackend:
+        """The same module: torch's intra-op pools belong to the OS thread that runs the
+        forward, so a shadow lane brings its own."""
+        return self
 
     def close(self) -> None:
         pass

@@ -4,8 +4,9 @@ How it works: ``submit`` queues a request's rows and returns a future. One sched
 loops: drop requests whose deadline passed or whose caller gave up, pick the next forward
 with ``next_batch`` (policy), ask the threads policy which count serves it, run it on the
 thread context's lane for that count, hand each row its vector, and resolve a request once
-all its rows are done (a request is answered as one unit). When nothing is pending the
-threads policy may use the idle time (shadow passes of the adaptive tuner).
+all its rows are done (a request is answered as one unit). The threads policy hears when each
+served forward begins (``served_threads``) and ends (``observe``); the adaptive tuner runs its
+shadow passes on threads of its own and never on this one.
 
 Invariant: every row of a live request is either pending or in the forward now running;
 a forward's result for a request that expired meanwhile is discarded.
@@ -35,15 +36,13 @@ log = logging.getLogger(__name__)
 
 
 class ThreadsPolicy(Protocol):
-    """Which count serves a forward, and what to do with idle time (the tuner's seam)."""
+    """Which count serves a forward (the tuner's seam). ``served_threads`` is asked right
+    before each served forward starts and ``observe`` told right after it ends (``None``:
+    it failed), so a policy knows when a served forward is running."""
 
     def served_threads(self, batch: TokenBatch) -> int: ...
 
-    def observe(self, batch: TokenBatch, result: ForwardResult) -> None: ...
-
-    def idle_work(self) -> Callable[[], None] | float | None:
-        """Work for an idle engine; or seconds until it may have some; or None."""
-        ...
+    def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -57,10 +56,7 @@ class FixedThreads:
     def served_threads(self, batch: TokenBatch) -> int:
         return self.num_threads
 
-    def observe(self, batch: TokenBatch, result: ForwardResult) -> None:
-        return None
-
-    def idle_work(self) -> Callable[[], None] | None:
+    def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
         return None
 
     def close(self) -> None:
@@ -177,34 +173,22 @@ class Engine:
     def _loop(self) -> None:
         self.context.adopt(self.args.num_threads)
         while True:
-            idle = None
             with self._cond:
                 self._expire(time.monotonic())
                 if not self._pending and self._running:
-                    idle = self.threads.idle_work()
-                    if idle is None or isinstance(idle, float):
-                        self._cond.wait(timeout=0.5 if idle is None else idle)
-                        continue
+                    self._cond.wait(timeout=0.5)
+                    continue
                 if not self._running:
                     return
-                chosen = (next_batch(self._pending, self.args.max_num_seqs,
-                                     self.args.max_num_batched_tokens)
-                          if self._pending else [])
+                chosen = next_batch(self._pending, self.args.max_num_seqs,
+                                    self.args.max_num_batched_tokens)
                 taken = set(chosen)
                 self._pending = [r for r in self._pending if r not in taken]
                 rows = [self._requests[r.request_id].rows[r.index] for r in chosen]
                 types = [t[r.index] if (t := self._requests[r.request_id].type_ids) else None
                          for r in chosen]
-            if idle is not None:
-                self._run_idle(idle)
-            elif chosen:
+            if chosen:
                 self._serve(chosen, rows, types)
-
-    def _run_idle(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except Exception:
-            log.exception("idle_work_failed")
 
     def _serve(self, chosen: list[PendingRow], rows: list[list[int]],
                types: list[list[int] | None]) -> None:
@@ -214,6 +198,7 @@ class Engine:
             result = self.context.run(num_threads,
                                       lambda: self.backend.forward(batch, num_threads))
         except Exception as exc:
+            self.threads.observe(batch, None)
             log.exception("forward_failed rows=%d", len(rows))
             self._fail_requests({r.request_id for r in chosen},
                                 exc if isinstance(exc, RuntimeFault) else RuntimeFault(

@@ -9,13 +9,21 @@ before every forward; counts never change on a lane, so no forward inherits anot
 however many engines share the process. onnxruntime fixes threads per session: its backend
 keeps one session per count and the lane only carries the call.
 
-Invariant: a callable submitted with ``run(n, fn)`` executes on a lane of count n (the
-shared one, or the caller's own thread when it adopted n), where ``torch.get_num_threads()
-== n`` whenever torch is loaded.
+An *idle* context (``ThreadContext(idle=True)``, the adaptive tuner's shadow forwards) puts
+each lane in ``SCHED_IDLE`` before anything else runs on it, so the threads a backend creates
+from that lane (torch's OpenMP team on its first parallel op, an onnxruntime session's
+intra-op pool when the session is created there) inherit the policy: the kernel runs them
+only on CPU time no normal thread wants, and preempts them when a served forward wakes.
+
+Invariant: a callable submitted with ``run(n, fn)`` executes on a lane of count n of that
+context (the shared one, or the caller's own thread when it adopted n), where
+``torch.get_num_threads() == n`` whenever torch is loaded.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -24,8 +32,24 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 _local = threading.local()
 _set_lock = threading.Lock()
+SCHED_IDLE_POLICY = 5  # the policy number Linux shows in /proc/<pid>/task/<tid>/sched
+
+
+def make_idle() -> bool:
+    """Put the calling OS thread (not the process: on Linux the call takes a thread id) in
+    ``SCHED_IDLE``; threads it creates from now on inherit it. False where unsupported."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as exc:
+        log.warning("sched_idle_unavailable error=%s", exc)
+        return False
+    return True
 
 
 def pin_torch_threads(num_threads: int) -> None:
@@ -41,6 +65,22 @@ def pin_torch_threads(num_threads: int) -> None:
             torch.set_num_threads(num_threads)
 
 
+def make_process_idle() -> bool:
+    """Put every thread of this process in ``SCHED_IDLE`` (those an import already started,
+    such as a BLAS pool, too); threads made later inherit it from their creator."""
+    ok = make_idle()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return ok
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # it ended meanwhile
+            continue
+    return ok
+
+
 def lane_threads() -> int | None:
     """The count of the lane the caller runs on, or None outside a lane."""
     return getattr(_local, "lane_threads", None)
@@ -49,7 +89,8 @@ def lane_threads() -> int | None:
 class ThreadContext:
     """One per process: runs each forward on the lane of the count it states."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: bool = False) -> None:
+        self.idle = idle
         self._lanes: dict[int, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
@@ -58,14 +99,18 @@ class ThreadContext:
             lane = self._lanes.get(num_threads)
             if lane is None:
                 lane = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"forward-{num_threads}t",
-                    initializer=self._init_lane, initargs=(num_threads,))
+                    max_workers=1,
+                    thread_name_prefix=f"{'shadow' if self.idle else 'forward'}-{num_threads}t",
+                    initializer=self._init_lane, initargs=(num_threads, self))
                 self._lanes[num_threads] = lane
             return lane
 
     @staticmethod
-    def _init_lane(num_threads: int) -> None:
+    def _init_lane(num_threads: int, owner: ThreadContext | None = None) -> None:
+        if owner is not None and owner.idle:
+            make_idle()  # before torch's per-thread init creates anything on this thread
         _local.lane_threads = num_threads
+        _local.lane_idle = owner is not None and owner.idle
         pin_torch_threads(num_threads)
 
     @staticmethod
@@ -78,7 +123,7 @@ class ThreadContext:
         the caller is itself a lane of that count, else on the shared lane."""
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if lane_threads() == num_threads:
+        if lane_threads() == num_threads and getattr(_local, "lane_idle", False) == self.idle:
             return self._call(num_threads, fn)
         return self._lane(num_threads).submit(self._call, num_threads, fn).result()
 

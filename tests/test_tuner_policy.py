@@ -12,7 +12,14 @@ from vllm_srun.tuner.modes import (
     max_threads,
     parse_mode,
 )
-from vllm_srun.tuner.policy import counts_needing_samples, learned_count, moved
+from vllm_srun.tuner.policy import (
+    clean_window,
+    counts_needing_samples,
+    learned_count,
+    losing_counts,
+    moved,
+    shadow_plan,
+)
 
 
 @pytest.mark.parametrize(("raw", "mode"), [(None, AdaptiveMode.OFF), ("", AdaptiveMode.OFF),
@@ -28,11 +35,27 @@ def test_other_values_are_an_error_naming_the_variable(raw):
         parse_mode({ADAPTIVE_ENV: raw})
 
 
-@pytest.mark.parametrize(("configured", "top", "counts"), [
-    (1, None, (1,)), (2, None, (1, 2)), (6, None, (1, 2, 4, 6)), (16, None, (1, 2, 4, 8, 16)),
-    (1, 2, (1, 2)), (6, 16, (1, 2, 4, 6, 8, 16)), (4, 2, (1, 2, 4))])
-def test_allowed_counts(configured, top, counts):
-    assert allowed_counts(configured, top) == counts
+@pytest.mark.parametrize(("configured", "budget", "top", "counts"), [
+    (1, 1, None, (1,)), (1, 2, None, (1, 2)), (2, 2, None, (1, 2)),
+    (3, 6, None, (1, 2, 3, 4, 6)), (6, 12, None, (1, 2, 4, 6, 8, 12)),
+    (16, 64, None, (1, 2, 4, 8, 16)), (8, 24, None, (1, 2, 4, 8, 16)),
+    (1, 8, 2, (1, 2)), (6, 16, 16, (1, 2, 4, 6, 8, 16)), (4, 8, 2, (1, 2, 4)),
+    (4, 6, 6, (1, 2, 4, 6))])
+def test_allowed_counts_go_up_to_the_budget_unless_narrowed(configured, budget, top, counts):
+    """R4.2 (amended): 1, powers of two, the configured count and the budget, up to the
+    budget and at most 16 by default; --max-threads narrows; the configured count stays in."""
+    assert allowed_counts(configured, budget, top) == counts
+
+
+def test_a_default_server_may_learn_a_count_above_the_configured_one():
+    """R4.2: out of the box (no --max-threads) the default count (half the budget) is not the
+    top of the set, so mode 1 can learn that long inputs want more threads."""
+    from vllm_srun.runtime.budget import configured_threads
+
+    for budget in (2, 4, 16, 24):  # from 32 CPUs on, the default is already 16, the cap
+        configured = configured_threads(budget, None, {})
+        assert max(allowed_counts(configured, budget, max_threads(budget, None, {}))) > \
+            configured
 
 
 def test_max_threads_is_capped_by_the_budget():
@@ -62,3 +85,30 @@ def test_relearning_triggers_when_served_time_moves_either_way():
     assert moved([3.0, 3.1, 2.9], 1.0, 1.5)
     assert moved([0.5, 0.6], 1.0, 1.5)
     assert not moved([1.2, 1.3, 1.1], 1.0, 1.5)
+
+
+def test_a_shadow_is_a_sample_only_if_no_served_forward_ran_during_it():
+    """R4.5 (amended): an overlapped shadow is discarded, not stored."""
+    assert clean_window(0, 10, 10)
+    assert not clean_window(1, 10, 10)  # one was running when it started
+    assert not clean_window(0, 10, 11)  # one started during it
+    assert not clean_window(0, 10, 12)  # one started and ended during it
+
+
+def test_counts_far_behind_after_their_first_samples_need_no_more():
+    samples = {1: [10.0] * 3, 2: [6.0] * 3, 16: [40.0] * 3}
+    assert losing_counts(samples, (1, 2, 16), 3, 2.0) == {16}
+    assert counts_needing_samples(samples, (1, 2, 16), 12) == [1, 2]
+    full = {1: [10.0] * 12, 2: [6.0] * 12, 16: [40.0] * 3}
+    assert learned_count(full, (1, 2, 16), 1, 12, 0.05) == 2
+
+
+def test_shadow_plan():
+    """Exploring: every count due; mode 2's window: the learned count; then every Nth
+    forward one probe at another count than the served one, in turn (R4.11)."""
+    assert shadow_plan([1, 4], False, None, 2, (1, 2, 4), 0, 8) == [1, 4]
+    assert shadow_plan([], True, 4, 2, (1, 2, 4), 3, 8) == [4]
+    assert shadow_plan([], False, 4, 4, (1, 2, 4), 3, 8) == []
+    probes = [shadow_plan([], False, 4, 4, (1, 2, 4), i, 8) for i in (8, 16, 24)]
+    assert probes == [[2], [1], [2]]
+    assert shadow_plan([], False, 1, 1, (1,), 8, 8) == []

@@ -1,17 +1,29 @@
-"""Adaptive threads (R4.3-R4.7): learn the fastest intra-op count per input-size range from
-timed shadow passes that must reproduce the served answer bit for bit.
+"""Adaptive threads (R4.3-R4.7, R4.11): learn the fastest intra-op count per input-size range
+from timed shadow passes that must reproduce the served answer bit for bit.
 
-How it works: the engine asks ``served_threads`` before each forward and tells ``observe``
-what it served. A served batch becomes a shadow job (the latest per size range) listing the
-counts still to run on it: every allowed count while the range lacks samples (the configured
-count included, so all counts are timed under the same idle conditions), the learned count
-during mode 2's transition window, the configured count as an audit of forwards served at a
-learned count. When the engine has nothing to serve, ``idle_work`` hands it one shadow forward
-at a time, once traffic has paused for ``idle_gap_s``, while shadow time stays within
-``budget_fraction`` of wall time. A shadow whose
-output equals the served output bit for bit adds a timing sample; any difference is drift:
-learning retires for good for this scope (stored durably) and every range serves the
-configured count again at once.
+How it works: the engine asks ``served_threads`` right before each served forward and tells
+``observe`` right after it ends. A served batch becomes a shadow job (the latest per size
+range) listing the counts still to run on it (``policy.shadow_plan``). Jobs run on a thread of
+the tuner's own in ``SCHED_IDLE`` (``ShadowLoop``), through an idle thread context whose lanes
+and backend twin make their intra-op pools there too: the kernel gives shadows only CPU time no
+served forward wants, and no lock a served forward needs is held across a shadow. A shadow
+starts only while no served forward runs; if one ran at any moment of it, its time is not a
+sample (``policy.clean_window``) and the count stays due, so the batch is run again later: the
+shapes that only load produces are kept until they are timed, and learned in the gaps.
+
+Every shadow, timed or not, is compared bit for bit with the served answer. Equal: a
+comparison (and mode 2's transition window moves on). Any difference is drift: learning
+retires for good for this scope (stored durably) and every range serves the configured count.
+
+A count is learned once every allowed count has ``min_samples`` clean samples; it then stays
+until relearning (R4.11): forwards at each count are compared with forwards at that same
+count when the range was learned (every ``audit_every``-th served forward gets a probe shadow
+at another count, in turn, compared with the samples it was learned from; served forwards
+with the first ones served after learning), and a range where one count's time moved by
+``relearn_factor`` either way explores again from fresh samples (when a probe moved, mode 2
+goes on serving the count it had verified until the new one passes its window; when the
+served count itself moved, it serves the configured count meanwhile). A new worker starts from
+fresh samples too; the record keeps the old ones as history, and its drift and voucher hold.
 
 Invariant: mode 1 serves every forward at the configured count; mode 2 serves a learned count
 for a range only while the record vouches for the host, the count passed ``window``
@@ -22,8 +34,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +46,14 @@ from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.policy import counts_needing_samples, learned_count, moved
+from vllm_srun.tuner.policy import (
+    clean_window,
+    counts_needing_samples,
+    learned_count,
+    moved,
+    shadow_plan,
+)
+from vllm_srun.tuner.shadows import ShadowLoop
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +62,33 @@ Forward = Callable[[TokenBatch, int], ForwardResult]
 
 @dataclass(frozen=True)
 class TunerSettings:
-    min_samples: int = 12  # timed shadows per count per range before a count is learned
+    min_samples: int = 12  # clean timed shadows per count per range before a count is learned
     window: int = 8  # mode 2: consecutive verified shadows before a learned count serves
     margin: float = 0.05  # a non-configured count must be this much faster
-    audit_every: int = 8  # mode 2: shadow every Nth forward served at a learned count
+    audit_every: int = 8  # every Nth forward of a learned range: a probe (and audit) shadow
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
-    idle_gap_s: float = 0.005  # a shadow starts only after traffic paused this long
-    relearn_factor: float = 2.0  # served time per token moved this much: explore again
-    relearn_window: int = 32  # served forwards compared for relearning
+    relearn_factor: float = 2.0  # time at the learned count moved this much: explore again
+    relearn_window: int = 16  # served forwards at one count each relearning check rests on
+    probe_window: int = 6  # probe shadows at one count each relearning check rests on
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 48  # recent samples per count per range that decisions rest on
+    background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
 
 
 @dataclass
 class RangeLearning:
     samples: dict[int, list[float]] = field(default_factory=dict)  # count -> forward ms
+    per_token: dict[int, list[float]] = field(default_factory=dict)  # count -> ms per token
     learned: int | None = None
     streak: int = 0  # consecutive verified shadows at the learned count
     serving: bool = False
     relearning: bool = False
+    relearns: int = 0
+    keep_serving: int | None = None  # mode 2, relearning: the verified count served meanwhile
     served_at_learned: int = 0
-    baseline_per_token: float | None = None
-    recent_per_token: deque = field(default_factory=lambda: deque(maxlen=32))
+    # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
+    baselines: dict[tuple[int, str], float] = field(default_factory=dict)
+    recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,29 +104,39 @@ def output_bits(outputs: np.ndarray) -> np.ndarray:
 
 
 class AdaptiveThreads:
-    """The adaptive ThreadsPolicy of one worker (see the module docstring)."""
+    """The adaptive ThreadsPolicy of one worker (see the module docstring). ``forward`` runs
+    on the served path (golden check, warm-up); ``shadow_forward`` on the idle lanes."""
 
     def __init__(self, mode: AdaptiveMode, configured: int, counts: Sequence[int],
                  scope: Scope, record: HostRecord | None, forward: Forward,
                  settings: TunerSettings | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 shadow_forward: Forward | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.scope, self.record, self.forward = scope, record, forward
+        self.shadow_forward = shadow_forward or forward
         self.settings = settings or TunerSettings()
         self.clock = clock
+        self.on_close = on_close
         self.locked_reason: str | None = "golden check has not run"
         self.record_error: str | None = None
+        self.shadow_error: str | None = None
         self.ranges: dict[int, RangeLearning] = {}
         self.comparisons = 0
         self.audits = 0  # verified shadows of forwards served at a learned count
+        self.discarded = 0  # shadows whose time overlapped a served forward
+        self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self._jobs: dict[int, _Job] = {}
+        self._busy = 0  # served forwards running now
+        self._epoch = 0  # served forwards started plus ended
         self._shadow_s = 0.0
         self._started = clock()
         self._last_flush = clock()
-        self._last_served = clock()
         self._dirty_samples: dict[tuple[int, int], list[float]] = {}
         self._dirty_learned: set[int] = set()
         self._unflushed_comparisons = 0
+        self._loop: ShadowLoop | None = None
         self.retired: DriftEvent | None = None
         self.voucher = Voucher(0, 0, False)
         self._load()
@@ -119,53 +153,52 @@ class AdaptiveThreads:
             return None
 
     def _load(self) -> None:
+        """Drift retirement and the voucher survive a restart; stored samples and learned
+        counts are history: a new worker learns from fresh samples (R4.11)."""
         record = self.record
         if record is None:
             return
         self.retired = self._guard("read_drift", lambda: record.drift(self.scope))
         self.voucher = self._guard("read_voucher", lambda: record.voucher(self.scope)) or \
             self.voucher
-        timings = self._guard("read_timings", lambda: record.timings(self.scope)) or {}
-        keep = self.settings.max_samples
-        for lo, by_count in timings.items():
-            self.ranges[lo] = RangeLearning(samples={n: list(v[-keep:])
-                                                     for n, v in by_count.items()})
-        learned = self._guard("read_learned", lambda: record.learned(self.scope)) or {}
-        for lo, row in learned.items():  # a new process verifies its window again
-            self.ranges.setdefault(lo, RangeLearning()).learned = row["num_threads"]
-        for lo, r in self.ranges.items():  # samples may hold a decision never written
-            self._update(lo, r)
 
     def flush(self) -> None:
         """Write pending samples, learned counts and traffic comparisons to the record."""
         record = self.record
-        self._last_flush = self.clock()
+        with self.lock:
+            self._last_flush = self.clock()
+            samples, self._dirty_samples = self._dirty_samples, {}
+            learned = {lo: (r.learned, self._speedup(r), r.streak)
+                       for lo in self._dirty_learned if (r := self.ranges[lo]).learned}
+            self._dirty_learned = set()
+            comparisons, self._unflushed_comparisons = self._unflushed_comparisons, 0
         if record is None:
             return
-        samples, self._dirty_samples = self._dirty_samples, {}
-        learned, self._dirty_learned = self._dirty_learned, set()
-        comparisons, self._unflushed_comparisons = self._unflushed_comparisons, 0
 
         def write() -> None:
             for (lo, n), ms in samples.items():
                 record.add_samples(self.scope, lo, n, ms)
-            for lo in learned:
-                r = self.ranges[lo]
-                if r.learned is not None:
-                    record.put_learned(self.scope, lo, r.learned, self._speedup(r), r.streak)
+            for lo, (n, up, streak) in learned.items():
+                record.put_learned(self.scope, lo, n, up, streak)
             if comparisons:
                 record.add_voucher(self.scope, "traffic", comparisons, 0)
 
         self._guard("flush", write)
 
     def close(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None
         self.flush()
+        if self.on_close is not None:
+            self.on_close()
 
     # -- start-up: warm pass and golden check (R4.3, R4.4) --------------------------------
     def startup(self, golden_rows: list[list[int]],
                 reference: np.ndarray | None = None, tolerance: float = 1e-5) -> str | None:
         """Warm, then check the golden answers at the configured count; unlock exploration
-        when they hold. Returns why the worker must stay out of dispatch, or None."""
+        (and start the shadow thread) when they hold. Returns why the worker must stay out of
+        dispatch, or None."""
         batches = [pad([row]) for row in golden_rows]
         self.forward(batches[0], self.configured)  # warm pass: caches out of the comparison
         # flat: per-token answers (token classification) differ in length per input; the
@@ -189,72 +222,86 @@ class AdaptiveThreads:
                 f"host's record (digest {digest[:12]} vs stored {stored[:12]}); learning and "
                 "serving stay off until `vllm-srun threads reset`")
             return self.locked_reason
-        for n in self.counts:  # warm every count before it is timed
-            if n != self.configured:
-                self.forward(batches[0], n)
+        if self.mode is AdaptiveMode.SERVE:  # mode 2 may serve the others: warm them too
+            for n in self.counts:
+                if n != self.configured:
+                    self.forward(batches[0], n)
         self.locked_reason = None
         self._started = self.clock()
+        if self.settings.background and self.retired is None:
+            self._loop = ShadowLoop(self, batches[0])
         log.info("threads_golden_passed mode=%d configured=%d counts=%s retired=%s",
                  self.mode, self.configured, list(self.counts), self.retired is not None)
         return None
 
     # -- ThreadsPolicy ---------------------------------------------------------------------
     def served_threads(self, batch: TokenBatch) -> int:
-        r = self.ranges.get(size_range(batch.padded_tokens)[0])
-        if r is not None and r.serving and self.retired is None and self.locked_reason is None:
+        """The count for a served forward about to start (it counts as running from now)."""
+        with self.lock:
+            self._busy += 1
+            self._epoch += 1
+            return self._serving_count(size_range(batch.padded_tokens)[0])
+
+    def _serving_count(self, lo: int) -> int:
+        r = self.ranges.get(lo)
+        if r is None or self.retired is not None or self.locked_reason is not None:
+            return self.configured
+        if r.serving:
             return r.learned
-        return self.configured
+        return r.keep_serving or self.configured
 
-    def observe(self, batch: TokenBatch, result: ForwardResult) -> None:
-        self._last_served = self.clock()
-        if self.locked_reason is not None or self.retired is not None:
-            return
-        lo = size_range(batch.padded_tokens)[0]
-        r = self.ranges.setdefault(lo, RangeLearning())
-        self._watch_for_relearning(lo, r, batch, result)
-        counts = self._shadow_counts(r)
-        if counts:
-            self._jobs.pop(lo, None)  # the newest batch of a range goes to the back
-            self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
+    def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
+        """A served forward ended (``None``: it failed)."""
+        with self.lock:
+            self._busy = max(0, self._busy - 1)
+            self._epoch += 1
+            self.lock.notify_all()
+            if result is None or self.locked_reason is not None or self.retired is not None:
+                return
+            lo = size_range(batch.padded_tokens)[0]
+            r = self.ranges.setdefault(lo, RangeLearning())
+            s = self.settings
+            if r.learned is not None:
+                self._watch(lo, r, (result.num_threads, "served"),
+                            result.forward_s * 1000 / batch.padded_tokens, s.relearn_window)
+                r = self.ranges[lo]
+            if r.learned is not None:
+                r.served_at_learned += 1
+            need = counts_needing_samples(r.samples, self.counts, s.min_samples) \
+                if r.learned is None else []
+            window_due = (self.mode is AdaptiveMode.SERVE and self.voucher.vouches
+                          and r.learned not in (None, self.configured) and not r.serving)
+            counts = shadow_plan(need, window_due, r.learned, result.num_threads, self.counts,
+                                 r.served_at_learned, s.audit_every)
+            if counts:
+                self._jobs.pop(lo, None)  # the newest batch of a range goes to the back
+                self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
 
-    def idle_work(self) -> Callable[[], None] | float | None:
-        if self.locked_reason is not None or self.retired is not None:
-            return None
-        now = self.clock()
-        quiet_s = now - self._last_served
-        if self._jobs and quiet_s < self.settings.idle_gap_s:
-            return self.settings.idle_gap_s - quiet_s  # traffic may go on: wait for a pause
-        if self._jobs and self._shadow_s <= self.settings.budget_fraction * (now - self._started):
+    # -- shadows ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one due shadow forward on the calling thread (the shadow loop, or a test).
+        False when none may start now: nothing due, a served forward running, or over the
+        time budget."""
+        with self.lock:
+            if self.locked_reason is not None or self.retired is not None or not self._jobs \
+                    or self._busy or self._shadow_s > self.settings.budget_fraction * (
+                        self.clock() - self._started):
+                return False
             lo = next(iter(self._jobs))
             job = self._jobs[lo]
-            count = job.counts.pop(0)
-            if not job.counts:
-                del self._jobs[lo]
-            return lambda: self._shadow(lo, job, count)
-        if (self._dirty_samples or self._dirty_learned or self._unflushed_comparisons) and \
-                now - self._last_flush >= self.settings.flush_s:
-            return self.flush
-        return None
+            count = job.counts[0]
+            epoch = self._epoch
+        began = self.clock()
+        result = self.shadow_forward(job.batch, count)
+        with self.lock:
+            self._shadow_s += self.clock() - began  # wall time, whatever the forward reports
+            self._after_shadow(lo, job, count, result, clean_window(0, epoch, self._epoch))
+        return True
 
-    # -- learning ----------------------------------------------------------------------------
-    def _shadow_counts(self, r: RangeLearning) -> list[int]:
-        need = counts_needing_samples(r.samples, self.counts, self.settings.min_samples)
-        if need:
-            return need
-        if self.mode is AdaptiveMode.SERVE and r.learned not in (None, self.configured) \
-                and not r.serving:
-            return [r.learned]  # transition window
-        if r.serving:
-            r.served_at_learned += 1
-            if r.served_at_learned % self.settings.audit_every == 0:
-                return [self.configured]  # audit a forward served at the learned count
-        return []
-
-    def _shadow(self, lo: int, job: _Job, count: int) -> None:
+    def _after_shadow(self, lo: int, job: _Job, count: int, result: ForwardResult,
+                      clean: bool) -> None:
         if self.retired is not None:
             return
-        result = self.forward(job.batch, count)
-        self._shadow_s += result.forward_s
         if not np.array_equal(output_bits(result.outputs), output_bits(job.outputs)):
             self._drift(job, count, result)
             return
@@ -263,25 +310,45 @@ class AdaptiveThreads:
         if job.served_threads != self.configured:
             self.audits += 1
         r = self.ranges.setdefault(lo, RangeLearning())
-        ms = result.forward_s * 1000
-        kept = r.samples.setdefault(count, [])
-        kept.append(ms)
-        del kept[: -self.settings.max_samples]
-        self._dirty_samples.setdefault((lo, count), []).append(ms)
-        self._update(lo, r)
+        if clean:
+            self._sample(lo, r, count, result.forward_s * 1000, job.batch.padded_tokens)
+        else:
+            self.discarded += 1
+        r = self.ranges[lo]
+        if count in job.counts:
+            job.counts.remove(count)
+        if r.learned is None and count in counts_needing_samples(
+                r.samples, self.counts, self.settings.min_samples):
+            job.counts.append(count)  # still due: this batch (a shape load made) runs again
+        if not job.counts and self._jobs.get(lo) is job:
+            del self._jobs[lo]
         if count == r.learned and count != job.served_threads:
             r.streak += 1
             self._dirty_learned.add(lo)
         self._maybe_serve(lo, r)
 
+    def _sample(self, lo: int, r: RangeLearning, count: int, ms: float, tokens: int) -> None:
+        keep = self.settings.max_samples
+        for store, value in ((r.samples, ms), (r.per_token, ms / tokens)):
+            kept = store.setdefault(count, [])
+            kept.append(value)
+            del kept[:-keep]
+        self._dirty_samples.setdefault((lo, count), []).append(ms)
+        if r.learned is None:
+            self._update(lo, r)
+        else:
+            self._watch(lo, r, (count, "shadow"), ms / tokens, self.settings.probe_window)
+
     def _update(self, lo: int, r: RangeLearning) -> None:
         s = self.settings
         new = learned_count(r.samples, self.counts, self.configured, s.min_samples, s.margin)
-        if new is None or new == r.learned:
+        if new is None:
             return
         r.learned, r.streak, r.serving, r.relearning = new, 0, False, False
-        r.baseline_per_token = None
-        r.recent_per_token.clear()
+        if new == self.configured or self.mode is not AdaptiveMode.SERVE:
+            r.keep_serving = None
+        r.baselines = {(n, "shadow"): float(np.median(v)) for n, v in r.per_token.items()}
+        r.recent = {}
         self._dirty_learned.add(lo)
         log.info("threads_learned range=%d-%d num_threads=%d speedup=%.3f", lo, 2 * lo - 1,
                  new, self._speedup(r))
@@ -290,13 +357,37 @@ class AdaptiveThreads:
         if (self.mode is AdaptiveMode.SERVE and not r.serving and self.retired is None
                 and r.learned not in (None, self.configured)
                 and r.streak >= self.settings.window and self.voucher.vouches):
-            r.serving = True
+            r.serving, r.keep_serving = True, None
             log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
                      lo, 2 * lo - 1, r.learned, r.streak)
 
     def _speedup(self, r: RangeLearning) -> float:
         a, b = r.samples.get(self.configured), r.samples.get(r.learned or self.configured)
         return float(np.median(a) / np.median(b)) if a and b else 1.0
+
+    def _watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
+               window: int) -> None:
+        """R4.11: forwards at one count against forwards at that same count when the range
+        was learned, like against like: probe shadows (clean, SCHED_IDLE) against the samples
+        it was learned from; served forwards against the first ``window`` served after it
+        was learned. A learned count far faster than the configured one never triggers it;
+        a neighbour that arrives slows the served count, one that leaves speeds up a probe."""
+        recent = r.recent.setdefault(key, [])
+        recent.append(per_token_ms)
+        if len(recent) < window:
+            return
+        r.recent[key] = []
+        baseline = r.baselines.get(key)
+        if baseline is None:
+            r.baselines[key] = float(np.median(recent))
+            return
+        if moved(recent, baseline, self.settings.relearn_factor):
+            log.info("threads_relearn range=%d-%d num_threads=%d forwards=%s ratio=%.2f",
+                     lo, 2 * lo - 1, key[0], key[1], float(np.median(recent)) / baseline)
+            keep = r.learned if r.serving and key[1] == "shadow" else None  # not if it slowed
+            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
+                                            keep_serving=keep)
+            self._jobs.pop(lo, None)
 
     def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:
         at = tuple(int(i) for i in np.argwhere(
@@ -305,7 +396,7 @@ class AdaptiveThreads:
                            float(job.outputs[at]), float(result.outputs[at]), time.time())
         self.retired = event
         for r in self.ranges.values():
-            r.serving = False
+            r.serving, r.keep_serving = False, None
         self._jobs.clear()
         log.warning("threads_drift padded_tokens=%d served_threads=%d shadow_threads=%d "
                     "first_index=%s served=%r shadow=%r", event.padded_tokens,
@@ -314,26 +405,3 @@ class AdaptiveThreads:
         record = self.record
         self._guard("write_drift", lambda: record.record_drift(self.scope, event))
         self._guard("write_voucher", lambda: record.add_voucher(self.scope, "traffic", 1, 1))
-        self.flush()
-
-    def _watch_for_relearning(self, lo: int, r: RangeLearning, batch: TokenBatch,
-                              result: ForwardResult) -> None:
-        """Served forwards much slower or faster than when learned: explore again."""
-        if r.learned is None or result.num_threads != self.served_threads(batch):
-            return
-        s = self.settings
-        r.recent_per_token.append(result.forward_s / batch.padded_tokens)
-        if r.baseline_per_token is None:
-            if len(r.recent_per_token) >= s.relearn_window // 2:
-                r.baseline_per_token = float(np.median(r.recent_per_token))
-                r.recent_per_token.clear()
-            return
-        if len(r.recent_per_token) < s.relearn_window // 2:
-            return
-        if moved(list(r.recent_per_token), r.baseline_per_token, s.relearn_factor):
-            log.info("threads_relearn range=%d-%d reason=served_time_moved", lo, 2 * lo - 1)
-            self.ranges[lo] = RangeLearning(relearning=True)
-            self._dirty_samples = {k: v for k, v in self._dirty_samples.items() if k[0] != lo}
-            self._guard("forget_range", lambda: self.record.forget_range(self.scope, lo))
-        else:
-            r.recent_per_token.clear()

@@ -29,10 +29,13 @@ def parse_mode(env: Mapping[str, str] | None = None) -> AdaptiveMode:
     raise ConfigError(f"{ADAPTIVE_ENV} must be unset, 0, 1 or 2, got {env[ADAPTIVE_ENV]!r}")
 
 
+MAX_ALLOWED_COUNT = 16  # learning never tries more intra-op threads than this
+
+
 def max_threads(budget: int, flag: int | None = None,
                 env: Mapping[str, str] | None = None) -> int | None:
     """The highest count learning may try (``--max-threads`` / $VLLM_SRUN_CPU_MAX_THREADS),
-    capped by the budget; None means the configured count."""
+    capped by the budget; None when neither is set (learning then goes up to the budget)."""
     env = os.environ if env is None else env
     if flag is not None:
         if flag < 1:
@@ -42,13 +45,17 @@ def max_threads(budget: int, flag: int | None = None,
     return min(parse_threads(raw, MAX_THREADS_ENV), budget) if raw.strip() else None
 
 
-def allowed_counts(configured: int, top: int | None = None) -> tuple[int, ...]:
-    """1, the powers of two, and the configured count, none above ``top`` (default: the
-    configured count)."""
-    top = max(configured, top or configured)
+def allowed_counts(configured: int, budget: int,
+                   top: int | None = None) -> tuple[int, ...]:
+    """The counts learning tries (R4.2): 1, the powers of two, the configured count and the
+    CPU budget, none above ``top`` (default: the budget) nor above 16; the configured count
+    is always in."""
+    top = min(budget if top is None else top, budget, MAX_ALLOWED_COUNT)
     counts = {configured}
     n = 1
     while n <= top:
         counts.add(n)
         n *= 2
+    if budget <= top:
+        counts.add(budget)
     return tuple(sorted(counts))

@@ -1,7 +1,8 @@
 """Thread-count decisions as small pure functions over timing samples (R4.5, R4.6).
 
 A count is *learned* for a size range when every allowed count has ``min_samples`` timed
-shadow passes there and it has the lowest median; a count other than the configured one must
+shadow passes there (or, after its first few, already runs twice as slow as the best) and it
+has the lowest median; a count other than the configured one must
 beat the configured count's median by ``margin`` (noise on shared hosts is ~±30%, and
 switching costs a transition window), else the configured count stays.
 """
@@ -40,13 +41,30 @@ def summarize(samples_ms: Sequence[float]) -> Summary | None:
     return Summary(float(np.median(arr)), float(np.percentile(arr, 90)), len(arr))
 
 
+def losing_counts(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
+                  early: int, factor: float) -> set[int]:
+    """Counts whose first ``early`` samples already run ``factor`` times slower than the
+    best count's: they need no more samples (an oversubscribed count's shadows are long and
+    rarely fit between served forwards)."""
+    medians = {n: float(np.median(samples_by_count[n])) for n in counts
+               if len(samples_by_count.get(n, ())) >= early}
+    if len(medians) < 2:
+        return set()
+    best = min(medians.values())
+    return {n for n, m in medians.items() if m > factor * best}
+
+
 def learned_count(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
-                  configured: int, min_samples: int, margin: float) -> int | None:
-    """The fastest count for a range, or None while any count lacks samples."""
-    if any(len(samples_by_count.get(n, ())) < min_samples for n in counts):
+                  configured: int, min_samples: int, margin: float, early: int = 3,
+                  losing: float = 2.0) -> int | None:
+    """The fastest count for a range, or None while any count still lacks samples (a count
+    ``losing_counts`` puts out needs no more)."""
+    out = losing_counts(samples_by_count, counts, early, losing)
+    if counts_needing_samples(samples_by_count, counts, min_samples, early, losing):
         return None
     medians = {n: float(np.median(samples_by_count[n])) for n in counts}
-    best = min(counts, key=lambda n: (medians[n], n != configured, n))
+    best = min((n for n in counts if n not in out),
+               key=lambda n: (medians[n], n != configured, n))
     if best != configured and medians[best] > medians[configured] * (1 - margin):
         return configured
     return best
@@ -62,13 +80,41 @@ def speedup(samples_by_count: Mapping[int, Sequence[float]], configured: int,
 
 
 def counts_needing_samples(samples_by_count: Mapping[int, Sequence[float]],
-                           counts: Sequence[int], target: int) -> list[int]:
-    return [n for n in counts if len(samples_by_count.get(n, ())) < target]
+                           counts: Sequence[int], target: int, early: int = 3,
+                           losing: float = 2.0) -> list[int]:
+    out = losing_counts(samples_by_count, counts, early, losing)
+    return [n for n in counts if len(samples_by_count.get(n, ())) < target and n not in out]
+
+
+def clean_window(busy_at_start: int, epoch_at_start: int, epoch_at_end: int) -> bool:
+    """A shadow's time is a sample only if no served forward ran at any moment of it: none
+    was running when it started and none started or ended before it finished (R4.5)."""
+    return busy_at_start == 0 and epoch_at_start == epoch_at_end
+
+
+def shadow_plan(need: Sequence[int], window_due: bool, learned: int | None,
+                served: int, counts: Sequence[int], served_at_learned: int,
+                probe_every: int) -> list[int]:
+    """Counts to run as shadows of one served batch: every count its range still lacks
+    samples for; else mode 2's transition window (the learned count); else, every
+    ``probe_every``-th forward of a learned range, one count other than the served one, in
+    turn: a probe of its time (R4.11) and, in mode 2, an audit of the served answer."""
+    if need:
+        return list(need)
+    if learned is None:
+        return []
+    if window_due:
+        return [learned]
+    others = [n for n in counts if n != served]
+    if not others or served_at_learned % probe_every:
+        return []
+    return [others[(served_at_learned // probe_every) % len(others)]]
 
 
 def moved(recent_per_token: Sequence[float], baseline_per_token: float,
           factor: float) -> bool:
-    """Served forwards now run ``factor`` slower or faster than when the count was learned."""
+    """Forwards at one count now run ``factor`` slower or faster than that same count ran when
+    the range was learned (R4.11: never a comparison across counts)."""
     if not recent_per_token or baseline_per_token <= 0:
         return False
     ratio = float(np.median(recent_per_token)) / baseline_per_token

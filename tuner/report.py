@@ -27,14 +27,16 @@ class ReportInput:
     locked_reason: str | None = None
     record_path: str | None = None
     record_error: str | None = None
+    shadow_error: str | None = None
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
-    """A copy of the tuner's state (the engine thread keeps changing the original)."""
-    ranges = {lo: replace(r, samples={n: list(v) for n, v in list(r.samples.items())})
-              for lo, r in list(t.ranges.items())}
+    """A copy of the tuner's state (the engine and shadow threads keep changing it)."""
+    with t.lock:
+        ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
+                  for lo, r in t.ranges.items()}
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
-                       t.locked_reason, record_path, t.record_error)
+                       t.locked_reason, record_path, t.record_error, t.shadow_error)
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
@@ -61,7 +63,8 @@ def build(inp: ReportInput) -> dict:
             per_count[str(n)] = ({"median_ms": round(s.median_ms, 3), "p90_ms": round(s.p90_ms, 3),
                                   "samples": s.samples} if s else
                                  {"median_ms": None, "p90_ms": None, "samples": 0})
-        served = r.learned if (r.serving and inp.drift is None) else inp.configured
+        served = inp.configured if inp.drift is not None or inp.locked_reason else \
+            r.learned if r.serving else (r.keep_serving or inp.configured)
         up = speedup(r.samples, inp.configured, r.learned) if r.learned else None
         ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
                        "counts": per_count, "learned_threads": r.learned,
@@ -77,6 +80,8 @@ def build(inp: ReportInput) -> dict:
         notes.append(CBWR_REMEDY)
     if inp.locked_reason:
         notes.append(inp.locked_reason)
+    if inp.shadow_error:
+        notes.append(inp.shadow_error)
     if inp.record_error:
         notes.append(f"host record not written, learning kept in memory: {inp.record_error}")
     return {

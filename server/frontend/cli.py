@@ -142,8 +142,10 @@ def config_from_args(args: argparse.Namespace):
 
 def _add_threads_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-threads", type=_positive("--max-threads"), default=None,
-                   help="adaptive threads: highest count to try (default: the configured count;"
-                        " capped by the CPU budget; also $VLLM_SRUN_CPU_MAX_THREADS)")
+                   help="adaptive threads: highest count learning tries. Learning tries 1, the "
+                        "powers of two, the configured count and the CPU budget, up to the "
+                        "budget and at most 16; this narrows that set (also "
+                        "$VLLM_SRUN_CPU_MAX_THREADS; capped by the CPU budget)")
     p.add_argument("--record", default=None,
                    help="host record file (default: $VLLM_SRUN_RECORD, else "
                         "host-record.sqlite in the user's data folder)")

@@ -77,7 +77,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     budget = cpu_budget()
     configured = configured_threads(budget, args.threads)
-    counts = allowed_counts(configured, max_threads(budget, args.max_threads) or budget)
+    counts = allowed_counts(configured, budget, max_threads(budget, args.max_threads))
     manifest = resolve(args.model)
     backend = load_backend(manifest, args.backend)
     scope = scope_for(manifest, backend, budget)

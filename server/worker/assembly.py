@@ -22,6 +22,7 @@ from vllm_srun.tuner.adaptive import AdaptiveThreads
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
 from vllm_srun.tuner.report import build, from_tuner
+from vllm_srun.tuner.shadows import shadow_process
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Worker:
             runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
             runner.start()
             return runner
-        counts = allowed_counts(spec.args.num_threads, spec.max_threads)
+        counts = allowed_counts(spec.args.num_threads, spec.budget, spec.max_threads)
         record, error = open_record(self.record_path)
         scope = scope_for(manifest, backend, spec.budget)
         if record is not None:
@@ -82,8 +83,10 @@ class Worker:
             except HostRecordError as exc:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
+        shadow_forward, close_shadows = shadow_process(manifest, backend.name.value)
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
-                                runner.engine.forward_batch, spec.settings)
+                                runner.engine.forward_batch, spec.settings,
+                                shadow_forward=shadow_forward, on_close=close_shadows)
         tuner.record_error = tuner.record_error or error
         runner.engine.threads = tuner
         self.tuner = tuner

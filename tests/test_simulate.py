@@ -1,0 +1,131 @@
+"""R4.5, R4.6, R4.11 on a simulated many-core host (tuner/simulate.py): the real tuner, a
+fake clock, and a forward-time model of 4, 16 and 64 cores fit to FACTS.md. What only many
+cores can show: convergence, no oscillation, a neighbour tracked, adaptive ahead of every
+fixed count, and learned counts 3x and 6x faster than the configured one never relearned."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_srun.tuner.simulate import (
+    Neighbour,
+    SimulatedHost,
+    TimeModel,
+    poisson_trace,
+    shifting_trace,
+)
+
+SIZES = [16, 16, 64, 256, 1024]
+
+
+def changes(outcome, trace, size: int) -> list[tuple[float, int]]:
+    """(time, new count) each time the served count of forwards of ``size`` changed."""
+    picked = [(at, n) for at, n, a in zip(outcome.at_s, outcome.served_threads, trace,
+                                          strict=True) if a.padded_tokens == size]
+    return [(at, n) for (at, n), (_, prev) in zip(picked[1:], picked[:-1], strict=True)
+            if n != prev]
+
+
+@pytest.mark.parametrize("cores", [4, 16, 64])
+def test_each_range_converges_within_80_forwards_to_a_count_within_10_percent_of_best(cores):
+    """Within 10%: a count must beat the configured one by the 5% margin, and noise is 5%."""
+    model = TimeModel(cores)
+    trace = poisson_trace(4 if cores == 4 else 12, 300, SIZES, seed=cores)
+    host = SimulatedHost(model, seed=cores)
+    outcome = host.run(trace)
+    assert set(outcome.learned_at) == set(SIZES_RANGES)
+    assert max(outcome.learned_at.values()) <= 80, outcome.learned_at
+    for lo, r in host.tuner.ranges.items():
+        best = model.forward_ms(lo, model.best(lo, host.counts, cores), cores)
+        assert model.forward_ms(lo, r.learned, cores) <= 1.10 * best, (lo, r.learned)
+
+
+SIZES_RANGES = {16, 64, 256, 1024}
+
+
+@pytest.mark.parametrize("cores", [16, 64])
+def test_a_steady_load_never_relearns_and_each_range_switches_at_most_once(cores):
+    trace = poisson_trace(12, 900, SIZES, seed=7)
+    outcome = SimulatedHost(TimeModel(cores), seed=7).run(trace)
+    assert outcome.relearns == 0
+    for size in set(SIZES):
+        assert len(changes(outcome, trace, size)) <= 1  # configured -> learned, then stays
+
+
+def settled_s(model, outcome, trace, size, start, end, free) -> float:
+    """Seconds after ``start`` from which every forward of ``size`` up to ``end`` ran at a
+    count within 10% of the model's best for ``free`` cores."""
+    counts = (1, 2, 4, 8, 16)
+    best = min(model.forward_ms(size, n, free) for n in counts)
+    picked = [(at, n) for at, n, a in zip(outcome.at_s, outcome.served_threads, trace,
+                                          strict=True)
+              if a.padded_tokens == size and start <= at < end]
+    bad = [at for at, n in picked if model.forward_ms(size, n, free) > 1.10 * best]
+    return (bad[-1] - start) if bad else 0.0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_neighbour_is_tracked_within_180_s_of_arriving_and_of_leaving(seed):
+    """16 cores; a neighbour takes 14 of them from t = 300 s to 600 s. Long inputs want 8-16
+    threads alone and 2 beside it (the served count slows by more than the 2x relearning
+    factor); short ones want 2 throughout. A neighbour that costs the served count less than
+    the factor is not tracked (seen with 12 of 16 cores taken and 8 threads served: 1.5x).
+    Measured (seeds 1-3, 12 forwards/s, a fifth of them long): the slowdown is seen within
+    ~10 s, but relearning takes 62-139 s beside the neighbour (slow counts' shadows rarely fit
+    between served forwards and overlapped ones are not timed) and 85-130 s after it left
+    (probes at the other counts come every 8th forward of the range, 6 per check)."""
+    model = TimeModel(16)
+    trace = poisson_trace(12, 900, SIZES, seed=seed)
+    outcome = SimulatedHost(model, [Neighbour(14, 300, 600)], seed=seed).run(trace)
+    assert model.best(1024, (1, 2, 4, 8, 16), 2) == 2
+    before = settled_s(model, outcome, trace, 1024, 150, 300, 16)
+    beside = settled_s(model, outcome, trace, 1024, 300, 600, 2)
+    after = settled_s(model, outcome, trace, 1024, 600, 900, 16)
+    assert before == 0.0 and beside <= 180 and after <= 180, (beside, after)
+    for start, end, free in ((150, 300, 16), (300, 600, 2), (600, 900, 16)):
+        assert settled_s(model, outcome, trace, 16, start, end, free) == 0.0  # short: kept
+
+
+@pytest.mark.parametrize("seed", [10, 20, 30])
+@pytest.mark.parametrize(("cores", "taken", "latency_gain"), [(16, 12, 1.0), (64, 60, 0.95),
+                                                              (4, 3, 1.1)])
+def test_on_a_shifting_load_adaptive_beats_every_fixed_count(cores, taken, latency_gain, seed):
+    """Mean served forward time of mode 2 against every fixed allowed count on the same
+    trace, and mean latency (queueing included) where stated. Measured, over the 3 seeds:
+    16 cores 1.02-1.07x faster forwards, latency 1.01-1.09x; 64 cores 1.02-1.04x faster
+    forwards but latency 0.965-0.99x of fixed 4 (it queues at the configured 16 while it
+    relearns beside the neighbour); 4 cores (a quarter of the traffic) 1.24-1.28x forwards,
+    1.22-1.27x latency."""
+    model, neighbours = TimeModel(cores), [Neighbour(taken, 300, 600)]
+    trace = shifting_trace(seed)
+    if cores == 4:  # a 4-core host takes a quarter of the traffic
+        trace = trace[::4]
+    adaptive = SimulatedHost(model, neighbours, seed=1).run(trace)
+    fixed = {n: SimulatedHost(model, neighbours, fixed=n, seed=1).run(trace)
+             for n in SimulatedHost(model).counts}
+    served = min(np.mean(f.served_ms) for f in fixed.values()) / np.mean(adaptive.served_ms)
+    latency = min(f.mean_latency_ms for f in fixed.values()) / adaptive.mean_latency_ms
+    print(f"cores {cores} seed {seed}: forwards {served:.3f}x, latency {latency:.3f}x of the "
+          f"best fixed count")
+    assert served >= 1.01, {n: np.mean(f.served_ms) for n, f in fixed.items()}
+    if latency_gain is not None:
+        assert latency >= latency_gain
+
+
+@pytest.mark.parametrize(("serial", "speedup"), [(0.25, 3.0), (0.07, 6.0)])
+def test_a_learned_count_3x_or_6x_faster_than_the_configured_is_served_and_never_relearned(
+        serial, speedup):
+    """R4.11: relearning compares the learned count with itself, so a speed-up this large
+    (configured 1 thread, learned 16) is kept for good on a steady load."""
+    model = TimeModel(16, serial=serial)
+    assert model.forward_ms(1024, 1, 16) / model.forward_ms(1024, 16, 16) >= speedup
+    trace = poisson_trace(6, 400, [1024], seed=5)
+    host = SimulatedHost(model, seed=5, configured=1)
+    outcome = host.run(trace)
+    r = host.tuner.ranges[1024]
+    assert r.learned == 16 and r.serving and outcome.relearns == 0
+    assert np.median(r.samples[1]) / np.median(r.samples[16]) >= 0.95 * speedup
+    tail = outcome.served_threads[len(outcome.served_threads) // 4:]
+    assert tail == [16] * len(tail)
+    assert changes(outcome, trace, 1024) == [changes(outcome, trace, 1024)[0]]

@@ -1,0 +1,141 @@
+"""Where shadow forwards run (R4.5 amended): in ``SCHED_IDLE``, where a served forward
+preempts them.
+
+``shadow_process`` (what a deployment uses): a child process that puts itself in
+``SCHED_IDLE`` before it loads its own copy of the backend, so every thread it makes (its
+lanes, onnxruntime's session pools, torch's OpenMP teams) inherits the policy. It shares no
+lock with the worker, not even Python's GIL: a shadow thread of the worker's own process that
+held the GIL while the kernel starved it (SCHED_IDLE on a busy host) would stall the served
+forward waiting for the GIL (measured: served p99 12x worse on this shared host).
+
+``idle_shadows``: the same in-process, on ``SCHED_IDLE`` lanes over the backend's twin (tests
+that wrap a backend use it; it has that GIL hazard). ``ShadowLoop`` is the tuner's thread: it
+only hands batches over and keeps the books, at normal priority, holding the tuner's lock for
+bookkeeping only; a shadow starts only while no served forward runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from vllm_srun.runtime.backend import Backend, load_backend
+from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.runtime.threads import ThreadContext, make_process_idle
+from vllm_srun.runtime.types import ForwardResult, Manifest, TokenBatch
+
+if TYPE_CHECKING:
+    from vllm_srun.tuner.adaptive import AdaptiveThreads, Forward
+
+log = logging.getLogger(__name__)
+
+
+def idle_shadows(backend: Backend) -> tuple[Forward, Callable[[], None]]:
+    """A shadow ``Forward`` on ``SCHED_IDLE`` lanes over the backend's twin (its pools made
+    there), and how to shut those lanes down."""
+    context = ThreadContext(idle=True)
+    twin = backend.twin()
+
+    def forward(batch: TokenBatch, num_threads: int) -> ForwardResult:
+        return context.run(num_threads, lambda: twin.forward(batch, num_threads))
+
+    return forward, context.shutdown
+
+
+class ShadowProcess:
+    """Shadow forwards in a ``SCHED_IDLE`` child process with its own copy of the backend."""
+
+    def __init__(self, manifest: Manifest, backend: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve_shadows, args=(child, manifest, backend),
+                                   name="vllm-srun-shadows", daemon=True)
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+
+    def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
+        with self._lock:
+            try:
+                self._conn.send((batch.input_ids, batch.attention_mask, num_threads))
+                ok, payload = self._conn.recv()
+            except (OSError, EOFError) as exc:
+                raise RuntimeFault(f"shadow process gone: {exc}") from exc
+        if not ok:
+            raise RuntimeFault(f"shadow forward failed: {payload}")
+        return ForwardResult(*payload)
+
+    def close(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            self._conn.send(None)
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+        self._conn.close()
+
+
+def _serve_shadows(conn, manifest: Manifest, backend_name: str) -> None:
+    make_process_idle()  # every thread made from here on inherits it
+    backend = load_backend(manifest, backend_name)
+    context = ThreadContext()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        ids, mask, n = msg
+        batch = TokenBatch(ids, mask)
+        try:
+            r = context.run(n, lambda b=batch, k=n: backend.forward(b, k))
+            conn.send((True, (r.outputs, r.num_threads, r.observed_threads, r.forward_s)))
+        except Exception as exc:  # reported to the tuner, which logs it
+            conn.send((False, repr(exc)))
+
+
+def shadow_process(manifest: Manifest, backend: str) -> tuple[Forward, Callable[[], None]]:
+    """A shadow ``Forward`` served by a ``ShadowProcess``, and how to stop it."""
+    proc = ShadowProcess(manifest, backend)
+    return proc.forward, proc.close
+
+
+class ShadowLoop:
+    """The tuner's own thread (normal priority: it holds the GIL and the tuner's lock only for
+    bookkeeping): it warms every count on the shadow side, then runs due shadows whenever no
+    served forward runs, and writes learnings to the record every ``flush_s``."""
+
+    def __init__(self, tuner: AdaptiveThreads, warm: TokenBatch) -> None:
+        self.tuner, self._warm = tuner, warm
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="shadows", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        t = self.tuner
+        try:
+            for n in t.counts:  # warm every count before it is timed
+                t.shadow_forward(self._warm, n)
+            while not self._stop:
+                if t.step():
+                    continue
+                if (t._dirty_samples or t._dirty_learned or t._unflushed_comparisons) and \
+                        t.clock() - t._last_flush >= t.settings.flush_s:
+                    t.flush()
+                with t.lock:  # woken when a served forward ends
+                    if not self._stop:
+                        t.lock.wait(timeout=0.05 if t._jobs else t.settings.flush_s)
+        except Exception as exc:  # learning stops; serving goes on, and the report says why
+            t.shadow_error = f"shadow forwards stopped: {exc}"
+            log.exception("shadow_loop_failed")
+
+    def stop(self) -> None:
+        with self.tuner.lock:
+            self._stop = True
+            self.tuner.lock.notify_all()
+        self.thread.join(timeout=60)
