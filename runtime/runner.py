@@ -14,7 +14,7 @@ import numpy as np
 
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import Backend, load_backend
-from vllm_srun.runtime.cache import ResultCache
+from vllm_srun.runtime.cache import ResultCache, cache_key
 from vllm_srun.runtime.engine import Engine, ThreadsPolicy, stack_rows
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.tokenizer import Tokenizer
@@ -87,35 +87,35 @@ class Runner:
 
         Raises InputError (naming the input as ``field[i]``) before anything is queued.
         """
-        keys = [(truncate, t) for t in texts]
+        keys = [cache_key(truncate, t) for t in texts]
         hits = [self.cache.get(k) for k in keys]
         miss_at = [i for i, h in enumerate(hits) if h is None]
-        rows: list[list[int]] = []
-        if miss_at:
-            encoded = self.tokenizer.rows([texts[i] for i in miss_at], truncate, miss_at, field)
-            rows = encoded.ids
-        tokens = sum(h[1] for h in hits if h is not None) + sum(len(r) for r in rows)
-        out: Future = Future()
         if not miss_at:
+            out: Future = Future()
             out.set_result(stack_rows([h[0] for h in hits]))
-            return out, tokens
+            return out, sum(h[1] for h in hits)
+        encoded = self.tokenizer.rows([texts[i] for i in miss_at], truncate, miss_at, field)
+        rows = encoded.ids
+        tokens = sum(h[1] for h in hits if h is not None) + sum(len(r) for r in rows)
         inner = self.engine.submit(rows, deadline, encoded.type_ids)
-
-        def merge(done: Future) -> None:
-            if done.cancelled() or done.exception() is not None:
-                if not out.done():
-                    out.set_exception(done.exception() if not done.cancelled()
-                                      else TimeoutError("cancelled"))
-                return
-            vectors = done.result()
-            full: list[np.ndarray] = [h[0] if h is not None else None for h in hits]
-            for j, i in enumerate(miss_at):
-                vector = vectors[j] if vectors.ndim == 2 else vectors[j][: len(rows[j])]
-                full[i] = vector
-                self.cache.put(keys[i], vector, len(rows[j]))
-            if not out.done():
-                out.set_result(stack_rows(full))
-
-        inner.add_done_callback(merge)
+        out = Future()
+        inner.add_done_callback(lambda done: self._merge(done, out, hits, keys, miss_at, rows))
         out.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
         return out, tokens
+
+    def _merge(self, done: Future, out: Future, hits: list, keys: list[bytes],
+               miss_at: list[int], rows: list[list[int]]) -> None:
+        """The engine answered the misses: cache them and answer the whole request."""
+        if done.cancelled() or done.exception() is not None:
+            if not out.done():
+                out.set_exception(done.exception() if not done.cancelled()
+                                  else TimeoutError("cancelled"))
+            return
+        vectors = done.result()
+        full: list[np.ndarray] = [h[0] if h is not None else None for h in hits]
+        for j, i in enumerate(miss_at):
+            vector = vectors[j] if vectors.ndim == 2 else vectors[j][: len(rows[j])]
+            full[i] = vector
+            self.cache.put(keys[i], vector, len(rows[j]))
+        if not out.done():
+            out.set_result(stack_rows(full))

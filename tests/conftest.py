@@ -33,11 +33,8 @@ L3 = "paraphrase-MiniLM-L3-v2"
 def wait_until(predicate, timeout_s: float = 60, what: str = "condition"):
     """Poll ``predicate`` until it returns something truthy (returned); TimeoutError names
     ``what`` when it never does."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
+    if value := poll(predicate, timeout_s, 0.1):
+        return value
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
 
 
@@ -132,43 +129,158 @@ def classifier_dir(tmp_path_factory) -> Path:
 
 
 # Tiny real-weight models of the router's shapes (R7.4), built offline: tests/tiny_models.py.
-@pytest.fixture(scope="session")
-def token_classifier_dir(tmp_path_factory) -> Path:
-    from tests import tiny_models
+def _tiny_model(builder: str, folder: str):
+    @pytest.fixture(scope="session")
+    def built(tmp_path_factory) -> Path:
+        from tests import tiny_models
 
-    return tiny_models.token_classifier(tmp_path_factory.mktemp("token-classifier"))
-
-
-@pytest.fixture(scope="session")
-def cross_encoder_dir(tmp_path_factory) -> Path:
-    from tests import tiny_models
-
-    return tiny_models.cross_encoder(tmp_path_factory.mktemp("cross-encoder"))
+        return getattr(tiny_models, builder)(tmp_path_factory.mktemp(folder))
+    return built
 
 
-@pytest.fixture(scope="session")
-def modernbert_dir(tmp_path_factory) -> Path:
-    from tests import tiny_models
-
-    return tiny_models.modernbert_embedder(tmp_path_factory.mktemp("modernbert"))
-
-
-@pytest.fixture(scope="session")
-def xlmr_dir(tmp_path_factory) -> Path:
-    from tests import tiny_models
-
-    return tiny_models.xlmr_embedder(tmp_path_factory.mktemp("xlm-roberta"))
+token_classifier_dir = _tiny_model("token_classifier", "token-classifier")
+cross_encoder_dir = _tiny_model("cross_encoder", "cross-encoder")
+modernbert_dir = _tiny_model("modernbert_embedder", "modernbert")
+xlmr_dir = _tiny_model("xlmr_embedder", "xlm-roberta")
+modernbert_token_classifier_dir = _tiny_model("modernbert_token_classifier", "modernbert-ner")
+modernbert_classifier_dir = _tiny_model("modernbert_classifier", "modernbert-intent")
 
 
-@pytest.fixture(scope="session")
-def modernbert_token_classifier_dir(tmp_path_factory) -> Path:
-    from tests import tiny_models
+# -- helpers shared by several test modules (no test module imports another) ----------------
 
-    return tiny_models.modernbert_token_classifier(tmp_path_factory.mktemp("modernbert-ner"))
+def poll(predicate, timeout_s: float = 60.0, step_s: float = 0.01):
+    """``predicate()``'s first truthy value within ``timeout_s``, else None."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if value := predicate():
+            return value
+        time.sleep(step_s)
+    return None
 
 
-@pytest.fixture(scope="session")
-def modernbert_classifier_dir(tmp_path_factory) -> Path:
-    from tests import tiny_models
+wait_for = poll  # the adaptive-threads tests' name for it
 
-    return tiny_models.modernbert_classifier(tmp_path_factory.mktemp("modernbert-intent"))
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``vllm-srun ARGS`` as a real process."""
+    return subprocess.run([sys.executable, "-m", "vllm_srun.server", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def write_config(path: Path, deployments: dict, bound: str | None = None) -> Path:
+    """A config.yaml with these deployments (and a binding)."""
+    import yaml
+
+    doc = {"global": {"router": {"enabled": False},
+                      "model_catalog": {"deployments": deployments}}}
+    if bound:
+        doc["global"]["system"] = {"decision_model": {"deployment": bound}}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def cpu_deployment(n: int, timeout_ms: int = 10_000, base_ejection_ms: int = 30_000,
+                   **engine) -> dict:
+    """A deployment of ``n`` one-thread CPU workers of the L6 model."""
+    return {"provider": "model_runtime", "artifact": L6,
+            "replicas": [{"device": "cpu"}] * n,
+            "engine": {"num_threads": 1, "max_num_seqs": 32, "timeout_ms": timeout_ms,
+                       **engine},
+            "outlier_detection": {"consecutive_timeouts": 3,
+                                  "base_ejection_ms": base_ejection_ms}}
+
+
+# the seed's first example config, word for word
+SEED_PLACEMENT = """
+global:
+  router:
+    enabled: false
+  model_catalog:
+    deployments:
+      primary:
+        provider: model_runtime
+        artifact: vllm-sr/d3-edge
+        replicas:
+          - device: rocm:0
+          - device: rocm:1
+  system:
+    decision_model:
+      deployment: primary
+"""
+
+
+def cgroup_v2_tree(tmp_path, rel: str, quotas: dict[str, str]):
+    """A cgroup v2 hierarchy of ``cpu.max`` files and a /proc/self/cgroup naming ``rel``."""
+    root = tmp_path / "sys"
+    for folder, text in quotas.items():
+        d = root / folder.strip("/") if folder.strip("/") else root
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.max").write_text(text + "\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text(f"0::{rel}\n")
+    return root, proc
+
+
+def assert_same_spans(ours: list[dict], theirs: list[dict]) -> None:
+    """Entity spans equal the transformers pipeline's (scores within 1e-5)."""
+    assert [(e["entity_group"], e["word"], e["start"], e["end"]) for e in ours] == \
+        [(e["entity_group"], e["word"], e["start"], e["end"]) for e in theirs]
+    assert all(abs(a["score"] - float(b["score"])) < 1e-5
+               for a, b in zip(ours, theirs, strict=True))
+
+
+# -- adaptive threads on the real L6 model ---------------------------------------------------
+
+def _fast_settings():
+    from vllm_srun.tuner.adaptive import TunerSettings
+
+    return TunerSettings(min_samples=3, window=3, audit_every=2, budget_fraction=1.0,
+                         flush_s=0.0)
+
+
+FAST = _fast_settings()
+
+
+def start(backend, record, mode, configured, counts, settings=FAST, reference=True):
+    """A runner of L6 on ``backend`` with the adaptive tuner wired as a deployment wires it
+    (shadows on SCHED_IDLE lanes over the backend's twin); ``runner.served`` collects the
+    served forwards."""
+    from vllm_srun.records.host_record import Scope
+    from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.runtime.runner import Runner
+    from vllm_srun.runtime.types import EngineArgs
+    from vllm_srun.tuner.adaptive import AdaptiveThreads
+    from vllm_srun.tuner.golden import golden_rows, reference_outputs
+    from vllm_srun.tuner.shadows import idle_shadows
+
+    manifest = resolve(L6)
+    records = []
+    runner = Runner(manifest, backend, EngineArgs(num_threads=configured, cache_entries=0),
+                    on_forward=records.append)
+    scope = Scope("test-host", manifest.revision, backend.name.value)
+    shadow_forward, close_shadows = idle_shadows(backend)
+    tuner = AdaptiveThreads(mode, configured, counts, scope, record,
+                            runner.engine.forward_batch, settings,
+                            shadow_forward=shadow_forward, on_close=close_shadows)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(
+        golden_rows(runner.tokenizer),
+        reference_outputs(manifest.revision) if reference else None))
+    runner.served = records
+    return runner, tuner
+
+
+def serve_paced(runner, tuner, r: list[int]):
+    """Serve one request, then wait until the shadow thread has run its shadow passes."""
+    out = runner.engine.submit([r]).result(timeout=60)
+    poll(lambda: tuner.pending_shadows() == 0, 30)
+    return out
+
+
+def row(tokens: int, salt: int = 0) -> list[int]:
+    """A row of ``tokens`` ids ([CLS] ... [SEP]) of L6's vocabulary, fixed by its seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(tokens * 1000 + salt)
+    return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]

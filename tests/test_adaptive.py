@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from tests.conftest import L6
+from tests.conftest import FAST, L6, row, serve_paced, start, wait_for
 from vllm_srun.records.host_record import DriftEvent, HostRecord, Scope
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
@@ -22,58 +22,19 @@ from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.types import EngineArgs
-from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
+from vllm_srun.tuner.adaptive import AdaptiveThreads, output_bits
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import RangeState
 from vllm_srun.tuner.report import build, from_tuner
-from vllm_srun.tuner.shadows import idle_shadows
 from vllm_srun.tuner.verify import sweep, sweep_batches
 
-FAST = TunerSettings(min_samples=3, window=3, audit_every=2, budget_fraction=1.0, flush_s=0.0)
 M = resolve(L6)
 
 
 @pytest.fixture(scope="module")
 def backends():
     return {name: load_backend(M, name) for name in ("onnxruntime", "torch")}
-
-
-def start(backend, record, mode, configured, counts, settings=FAST, reference=True):
-    records = []
-    runner = Runner(M, backend, EngineArgs(num_threads=configured, cache_entries=0),
-                    on_forward=records.append)
-    scope = Scope("test-host", M.revision, backend.name.value)
-    shadow_forward, close_shadows = idle_shadows(backend)
-    tuner = AdaptiveThreads(mode, configured, counts, scope, record,
-                            runner.engine.forward_batch, settings,
-                            shadow_forward=shadow_forward, on_close=close_shadows)
-    runner.engine.threads = tuner
-    runner.start(check=lambda: tuner.startup(
-        golden_rows(runner.tokenizer), reference_outputs(M.revision) if reference else None))
-    runner.served = records
-    return runner, tuner
-
-
-def wait_for(predicate, timeout_s=60.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if value := predicate():
-            return value
-        time.sleep(0.01)
-    return None
-
-
-def serve_paced(runner, tuner, r: list[int]):
-    """Serve one request, then wait until the shadow thread has run its shadow passes."""
-    out = runner.engine.submit([r]).result(timeout=60)
-    wait_for(lambda: not tuner._jobs, 30)
-    return out
-
-
-def row(tokens: int, salt: int = 0) -> list[int]:
-    rng = np.random.default_rng(tokens * 1000 + salt)
-    return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
 
 
 def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backends, tmp_path):
@@ -102,7 +63,7 @@ def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backe
     try:
         assert tuner.retired is not None
         runner.engine.submit([row(40)]).result(timeout=60)
-        assert not tuner.step() and tuner.comparisons == 0 and not tuner._jobs
+        assert not tuner.step() and tuner.comparisons == 0 and tuner.pending_shadows() == 0
     finally:
         runner.stop()
     record.reset(tuner.scope)
@@ -200,12 +161,13 @@ def test_golden_check_stores_then_guards(backends, tmp_path):
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
     runner.stop()
     assert runner.not_ready_reason is None and tuner.locked_reason is None
-    record._conn.execute("UPDATE golden SET digest = 'tampered'")
+    with sqlite3.connect(tmp_path / "r.sqlite") as db:  # another host's answer, as a file
+        db.execute("UPDATE golden SET digest = 'tampered'")
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
     try:
         assert not runner.ready and "golden check failed" in runner.not_ready_reason
         runner.engine.submit([row(20)]).result(timeout=60)
-        assert not tuner.step() and not tuner._jobs  # no exploration while locked
+        assert not tuner.step() and tuner.pending_shadows() == 0  # no exploration while locked
         states = {r["state"] for r in build(from_tuner(tuner))["ranges"]}
         assert states <= {RangeState.LOCKED}
     finally:
@@ -245,11 +207,11 @@ def test_mkl_cbwr_makes_torch_exact_and_learning_proceeds_or_the_drift_is_seen(t
     script = f"""
 import json, numpy as np
 from vllm_srun.records.host_record import HostRecord
-from tests.test_adaptive import start, row, serve_paced, FAST
+from tests.conftest import start, row, serve_paced, FAST
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.report import build, from_tuner
-from tests.conftest import L6
+from tests.conftest import FAST, L6, row, serve_paced, start, wait_for
 from vllm_srun.runtime.artifact import resolve
 record = HostRecord({str(tmp_path / "r.sqlite")!r})
 runner, tuner = start(load_backend(resolve(L6), "torch"), record, AdaptiveMode.LEARN, 2, (1, 2))

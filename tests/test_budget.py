@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import cgroup_v2_tree
 from vllm_srun.runtime.budget import (
     THREADS_ENV,
     cgroup_cpus,
@@ -14,29 +15,18 @@ from vllm_srun.runtime.budget import (
 from vllm_srun.runtime.errors import ConfigError
 
 
-def _v2(tmp_path, rel: str, quotas: dict[str, str]):
-    root = tmp_path / "sys"
-    for folder, text in quotas.items():
-        d = root / folder.strip("/") if folder.strip("/") else root
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "cpu.max").write_text(text + "\n")
-    proc = tmp_path / "cgroup"
-    proc.write_text(f"0::{rel}\n")
-    return root, proc
-
-
 def test_cgroup_v2_quota_is_read_from_the_process_cgroup(tmp_path):
-    root, proc = _v2(tmp_path, "/kubepods/pod1", {"/kubepods/pod1": "400000 100000"})
+    root, proc = cgroup_v2_tree(tmp_path, "/kubepods/pod1", {"/kubepods/pod1": "400000 100000"})
     assert cgroup_cpus(root, proc) == 4.0
 
 
 def test_cgroup_v2_unlimited_is_no_quota(tmp_path):
-    root, proc = _v2(tmp_path, "/a", {"/a": "max 100000", "/": "max 100000"})
+    root, proc = cgroup_v2_tree(tmp_path, "/a", {"/a": "max 100000", "/": "max 100000"})
     assert cgroup_cpus(root, proc) is None
 
 
 def test_cgroup_v2_tightest_ancestor_wins(tmp_path):
-    root, proc = _v2(tmp_path, "/a/b", {"/a/b": "max 100000", "/a": "150000 100000"})
+    root, proc = cgroup_v2_tree(tmp_path, "/a/b", {"/a/b": "max 100000", "/a": "150000 100000"})
     assert cgroup_cpus(root, proc) == 1.5
 
 

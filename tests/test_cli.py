@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vllm_srun.server", *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+from tests.conftest import run_cli
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])

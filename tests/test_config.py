@@ -5,28 +5,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.test_cli import run_cli
+from tests.conftest import SEED_PLACEMENT, run_cli
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.server.pool.config import apply_flags, check_placement, load, single, validate
 
 # The seed's two examples, as written.
-SEED_PLACEMENT = """
-global:
-  router:
-    enabled: false
-  model_catalog:
-    deployments:
-      primary:
-        provider: model_runtime
-        artifact: vllm-sr/d3-edge
-        replicas:
-          - device: rocm:0
-          - device: rocm:1
-  system:
-    decision_model:
-      deployment: primary
-"""
-
 SEED_OUTLIER = """
 global:
   model_catalog:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_budget import _v2
+from tests.conftest import cgroup_v2_tree
 from vllm_srun.runtime.budget import cgroup_cpus, cpu_budget, default_threads
 from vllm_srun.server.pool.config import check_placement, parse_device, validate
 
@@ -84,7 +84,7 @@ def test_front_end_attaches_the_other_pods_services():
 def test_a_pod_limited_to_4_cpus_on_a_64_core_node_gets_2_threads(tmp_path):
     """R2.3 in a container: cpu.max of the pod's cgroup (limits.cpu: 4) beats the node's 64
     CPUs in the affinity mask; the default per-worker count is then 2, not 32."""
-    root, proc = _v2(tmp_path, "/kubepods.slice/pod-abc/cri-123",
+    root, proc = cgroup_v2_tree(tmp_path, "/kubepods.slice/pod-abc/cri-123",
                      {"/kubepods.slice/pod-abc": "400000 100000",
                       "/kubepods.slice/pod-abc/cri-123": "max 100000"})
     quota = cgroup_cpus(root, proc)

@@ -133,3 +133,31 @@ def test_bad_engine_arguments_name_the_key(backend, field, value):
     args = {"num_threads": 1, field: value}
     with pytest.raises(ConfigError, match=field):
         Runner(resolve(L6), backend, EngineArgs(**args))
+
+
+# -- the result cache (R3.4, issue 15 item 5) -------------------------------------------------
+
+def test_cache_keys_are_digests_of_truncate_and_input():
+    from vllm_srun.runtime.cache import cache_key
+
+    long = "word " * 20_000
+    assert len(cache_key(False, long)) == 16  # the key pins 16 bytes, not the text
+    assert cache_key(False, "a") != cache_key(True, "a")
+    assert cache_key(False, ("ab", "c")) != cache_key(False, ("a", "bc"))
+    assert cache_key(False, ("a", "b")) != cache_key(False, "ab")
+
+
+def test_cache_is_bounded_in_bytes_as_well_as_entries():
+    import numpy as np
+
+    from vllm_srun.runtime.cache import ResultCache, cache_key
+
+    row = np.zeros(1000, dtype=np.float32)  # 4,000 bytes an answer
+    cache = ResultCache(max_entries=100, max_bytes=3 * (row.nbytes + 200))
+    for i in range(5):
+        cache.put(cache_key(False, str(i)), row, 1)
+    assert len(cache) == 3 and cache.bytes <= cache.max_bytes
+    assert cache.get(cache_key(False, "0")) is None  # least recently used went first
+    assert cache.get(cache_key(False, "4")) is not None
+    cache.put(cache_key(False, "huge"), np.zeros(10_000, dtype=np.float32), 1)
+    assert cache.get(cache_key(False, "huge")) is None and len(cache) == 3  # never fits

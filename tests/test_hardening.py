@@ -210,7 +210,7 @@ def test_api_key_protects_inference_and_inventory_in_constant_time():
 
 @pytest.mark.parametrize("value", ["short", "has space inside", "tab\there-long"])
 def test_bad_api_key_is_a_startup_error(value):
-    from tests.test_cli import run_cli
+    from tests.conftest import run_cli
 
     r = run_cli("serve", "--port", "0", env={"VLLM_SRUN_API_KEY": value})
     assert r.returncode == 2 and "VLLM_SRUN_API_KEY" in r.stderr
@@ -310,7 +310,7 @@ def test_ten_times_capacity_gets_fast_429s_and_leaks_nothing(tmp_path):
     seconds (15 in CI; the long run is minutes) against one worker process: overload is
     answered with 429 quickly, and RSS, threads, sockets and processes come back flat."""
     from bench.rawclient import closed_loop
-    from tests.test_pool import write_config
+    from tests.conftest import write_config
 
     config = write_config(tmp_path / "c.yaml", {"primary": {
         "artifact": L6, "replicas": [{"device": "cpu"}],

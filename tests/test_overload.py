@@ -12,8 +12,7 @@ import threading
 import httpx
 import pytest
 
-from tests.conftest import Server, wait_until
-from tests.test_pool import cpu_deployment, write_config
+from tests.conftest import Server, cpu_deployment, wait_until, write_config
 
 KEY = "overload-key-1"
 

@@ -38,7 +38,7 @@ def ray_app(tmp_path_factory):
              runtime_env={"env_vars": {"VLLM_SRUN_API_KEY": RAY_KEY}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    from tests.test_pool import write_config
+    from tests.conftest import write_config
     from vllm_srun.server.frontend.ray_serve import app_builder
 
     config = write_config(tmp_path_factory.mktemp("cfg") / "config.yaml", {"primary": {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.conftest import assert_same_spans
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.calibrate import calibrate
 from vllm_srun.runtime.errors import InputTooLong
@@ -40,13 +41,6 @@ def pipeline_spans(folder) -> list[list[dict]]:
     ner = pipeline("token-classification", model=str(folder), aggregation_strategy="simple",
                    device="cpu")
     return [ner(t) for t in NER_TEXTS]
-
-
-def assert_same_spans(ours: list[dict], theirs: list[dict]) -> None:
-    assert [(e["entity_group"], e["word"], e["start"], e["end"]) for e in ours] == \
-        [(e["entity_group"], e["word"], e["start"], e["end"]) for e in theirs]
-    assert all(abs(a["score"] - float(b["score"])) < 1e-5
-               for a, b in zip(ours, theirs, strict=True))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -210,7 +204,7 @@ def test_adaptive_threads_check_and_shadow_the_new_tasks(fixture, request, tmp_p
     """R4.3, R4.5 for R7.4's tasks: the start-up golden check passes on per-token answers
     (rows of different lengths) and on pair rows, and mode-1 shadow passes at another count
     reproduce the served answers bit for bit (onnxruntime, exact across counts here)."""
-    from tests.test_adaptive import FAST, wait_for
+    from tests.conftest import FAST, wait_for
     from vllm_srun.records.host_record import HostRecord, Scope
     from vllm_srun.runtime.backend import load_backend
     from vllm_srun.tuner.adaptive import AdaptiveThreads
@@ -231,7 +225,7 @@ def test_adaptive_threads_check_and_shadow_the_new_tasks(fixture, request, tmp_p
                   else NER_TEXTS)
         for _ in range(4):
             runner.submit(inputs)[0].result(timeout=60)
-            wait_for(lambda: not tuner._jobs, 30)
+            wait_for(lambda: tuner.pending_shadows() == 0, 30)
     finally:
         runner.stop()
     assert tuner.comparisons >= 2 and tuner.retired is None

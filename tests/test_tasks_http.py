@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import Server
-from tests.test_tasks import assert_same_spans
+from tests.conftest import Server, assert_same_spans
 
 QUERY = "where does Maria live?"
 DOCUMENTS = ["The quick brown fox jumps over the lazy dog.", "Maria lives in Berlin.",

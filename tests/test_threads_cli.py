@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import L3, Server, words
-from tests.test_cli import run_cli
+from tests.conftest import L3, Server, run_cli, words
 
 
 def test_junk_adaptive_mode_is_a_startup_error():

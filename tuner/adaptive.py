@@ -278,6 +278,10 @@ class AdaptiveThreads:
                 self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
 
     # -- shadows ---------------------------------------------------------------------------
+    def pending_shadows(self) -> int:
+        """Size ranges with shadow passes still to run."""
+        return len(self._jobs)
+
     def step(self) -> bool:
         """Run one due shadow forward on the calling thread (the shadow loop, or a test).
         False when none may start now: nothing due, a served forward running, or over the

@@ -67,6 +67,7 @@ class ServerState:
             summary = await self.pool.reconfigure(config)
         except RuntimeFault as exc:
             log.error("reconfiguration_failed error=%s", exc)
+            self.pool.record_event("reconfiguration_failed", str(exc))
             return None
         log.warning("reconfigured %s", summary)
         return summary

@@ -171,73 +171,92 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def serve(args: argparse.Namespace, argv: list[str]) -> int:
-    import uvicorn
+def _reexec_for_mkl_cbwr(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--mkl-cbwr``: MKL reads MKL_CBWR once, when torch loads, so start again with it."""
+    if args.backend != BackendName.TORCH.value:
+        raise ConfigError("--mkl-cbwr applies to the torch backend only (--backend torch)")
+    if os.environ.get("MKL_CBWR") != "AUTO":
+        os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server", *argv],
+                  {**os.environ, "MKL_CBWR": "AUTO"})
 
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the workers start (connections queue from now)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise ConfigError(f"cannot bind --host {host} --port {port}: {exc}") from exc
+    sock.listen(2048)
+    return sock
+
+
+def _checked_config(args: argparse.Namespace):
+    """The canonical config, every check that can fail done before anything is bound."""
     from vllm_srun.runtime import device
-    from vllm_srun.runtime.budget import configured_threads, cpu_budget
-    from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
     from vllm_srun.server.pool.config import check_placement
-    from vllm_srun.server.pool.pool import PoolOptions, dispatch_mode
-    from vllm_srun.tuner.modes import max_threads, parse_mode
+    from vllm_srun.server.pool.pool import dispatch_mode
 
-    if args.mkl_cbwr:
-        if args.backend != BackendName.TORCH.value:
-            raise ConfigError("--mkl-cbwr applies to the torch backend only (--backend torch)")
-        if os.environ.get("MKL_CBWR") != "AUTO":  # MKL reads it once, when torch loads
-            os.execve(sys.executable, [sys.executable, "-P", "-m", "vllm_srun.server", *argv],
-                      {**os.environ, "MKL_CBWR": "AUTO"})
     config = config_from_args(args)
     uses_gpu = any(device.is_gpu(r.device or "cpu") for d in config.deployments.values()
                    for r in d.placements())
     check_placement(config, device.visible_devices() if uses_gpu else {"cpu": 1})
-    budget = cpu_budget()
-    bound = config.deployments[config.bound]
-    num_threads = configured_threads(budget, bound.engine.num_threads)
-    mode = parse_mode()
-    top = max_threads(budget, args.max_threads)
-    _check_deployments(config)  # fail fast on a bad MODEL or limits, before binding
+    _check_deployments(config)  # fail fast on a bad MODEL or limits
     dispatch_mode()
     api_key(args.api_key)
+    return config
+
+
+def serve(args: argparse.Namespace, argv: list[str]) -> int:
+    import uvicorn
+
+    from vllm_srun.runtime.budget import configured_threads, cpu_budget
+    from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
+    from vllm_srun.server.pool.pool import PoolOptions
+    from vllm_srun.tuner.modes import max_threads, parse_mode
+
+    if args.mkl_cbwr:
+        _reexec_for_mkl_cbwr(args, argv)
+    config = _checked_config(args)
+    budget, mode = cpu_budget(), parse_mode()
+    pool_options = PoolOptions(budget, int(mode), max_threads(budget, args.max_threads),
+                               args.record, args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        raise ConfigError(f"cannot bind --host {args.host} --port {args.port}: {exc}") from exc
-    sock.listen(2048)  # connections queue from now on, before the app starts accepting
-    host, port = sock.getsockname()[:2]
-    server_box: list[uvicorn.Server] = []
+    sock = _bind(args.host, args.port)
     failed: list[str] = []
+    server_box: list = []
 
-    def on_load_failure(reason: str) -> None:
+    def on_load_failure(reason: str) -> None:  # the in-process worker could not load
         failed.append(reason)
         if server_box:
             server_box[0].should_exit = True
 
-    def reload_config():
-        return config_from_args(args)
-
-    state = ServerState(config, PoolOptions(budget, int(mode), top, args.record,
-                                            args.log_level),
-                        ServerOptions(max_body_bytes=args.max_body_bytes,
-                                      api_key=api_key(args.api_key)), on_load_failure,
-                        reload_config if args.config else None)
-    uv_config = uvicorn.Config(create_app(state), log_level="warning", access_log=False,
-                               http=state.admission.protocol(), loop="uvloop",
-                               timeout_graceful_shutdown=5)
-    server = uvicorn.Server(uv_config)
+    state = ServerState(config, pool_options,
+                        ServerOptions(args.max_body_bytes, api_key(args.api_key)),
+                        on_load_failure, (lambda: config_from_args(args)) if args.config
+                        else None)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(state), log_level="warning", access_log=False,
+        http=state.admission.protocol(), loop="uvloop", timeout_graceful_shutdown=5))
     server_box.append(server)
-    shown = f"[{host}]" if ":" in host else host
+    bound = config.deployments[config.bound]
+    _announce(config, configured_threads(budget, bound.engine.num_threads), budget, int(mode),
+              sock.getsockname()[:2])
+    server.run(sockets=[sock])
+    return 1 if failed else 0
+
+
+def _announce(config, num_threads: int, budget: int, mode: int, address) -> None:
+    """The one line a caller (and the tests) read: what is served, and where."""
+    host, port = address
+    bound = config.deployments[config.bound]
     replicas = len(bound.placements())
+    shown = f"[{host}]" if ":" in host else host
     print(f"vllm-srun: serving {bound.artifact} (deployment {config.bound}, {replicas} "
           f"replica{'s' if replicas > 1 else ''}, backend {bound.backend or 'onnxruntime'}, "
           f"{num_threads} threads per CPU worker, CPU budget {budget}, adaptive threads mode "
-          f"{int(mode)}) on http://{shown}:{port}", flush=True)
-    server.run(sockets=[sock])
-    return 1 if failed else 0
+          f"{mode}) on http://{shown}:{port}", flush=True)
 
 
 def _check_deployments(config) -> None:

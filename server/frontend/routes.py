@@ -19,7 +19,13 @@ from pydantic import BaseModel
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.types import Task, TextInput
 from vllm_srun.server.frontend.errors import REPLICA_HEADER, ApiError, http_error
-from vllm_srun.server.frontend.requests import caller_deadline, parse, read_body, texts_of
+from vllm_srun.server.frontend.requests import (
+    M,
+    caller_deadline,
+    parse,
+    read_body,
+    texts_of,
+)
 from vllm_srun.server.frontend.schemas import ClassifyBody, EmbeddingsBody, RerankBody
 from vllm_srun.server.frontend.tasks import (
     entities_answer,
@@ -80,6 +86,13 @@ async def off_loop(chars: int, fn, *args):
     return fn(*args)
 
 
+async def read(request: Request, schema: type[M]) -> tuple[M, DeploymentPool]:
+    """The request's body, parsed against ``schema``, and the deployment it names."""
+    server = request.app.state.server
+    body = parse(await read_body(request, server.options.max_body_bytes), schema)
+    return body, server.pool.deployment_for(body.model)
+
+
 def usage(tokens: int) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens}
 
@@ -99,11 +112,8 @@ def check_embedder(info: ModelInfo, dimensions: int | None) -> None:
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingsBody))
 async def embeddings(request: Request) -> Response:
-    server = request.app.state.server
-
     async def work() -> Response:
-        body = parse(await read_body(request, server.options.max_body_bytes), EmbeddingsBody)
-        dep = server.pool.deployment_for(body.model)
+        body, dep = await read(request, EmbeddingsBody)
         texts = texts_of(body.input)
         check_embedder(dep.info, body.dimensions)
         vectors, tokens, headers = await infer(request, dep, texts, body.truncate)
@@ -133,11 +143,8 @@ def class_scores(logits: np.ndarray, labels: tuple[str, ...], top_k: int | None)
 
 @router.post("/v1/classify", openapi_extra=body_schema(ClassifyBody))
 async def classify(request: Request) -> Response:
-    server = request.app.state.server
-
     async def work() -> Response:
-        body = parse(await read_body(request, server.options.max_body_bytes), ClassifyBody)
-        dep = server.pool.deployment_for(body.model)
+        body, dep = await read(request, ClassifyBody)
         texts = texts_of(body.input)
         check_task(dep.info, "classify")
         logits, tokens, headers = await infer(request, dep, texts, body.truncate)
@@ -155,11 +162,8 @@ async def classify(request: Request) -> Response:
 async def rerank(request: Request) -> Response:
     """Cross-encoder reranking (R7.4): each (query, document) pair is a row; the pairs of one
     request go to one replica as one unit."""
-    server = request.app.state.server
-
     async def work() -> Response:
-        body = parse(await read_body(request, server.options.max_body_bytes), RerankBody)
-        dep = server.pool.deployment_for(body.model)
+        body, dep = await read(request, RerankBody)
         pairs = rerank_pairs(body)
         check_task(dep.info, "rerank")
         scores, tokens, headers = await infer(request, dep, pairs, body.truncate,

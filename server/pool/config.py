@@ -290,7 +290,18 @@ def apply_flags(config: Config | None, *, model: str | None, backend: str | None
         config = _edit(config, name, engine=merged)
     if dp is None and platform is None and device_ids is None:
         return config
-    dep = config.deployments[name]
+    devices = _placed_devices(config.deployments[name], platform, dp, device_ids, available)
+    data = config.model_dump(by_alias=True, exclude_none=True)
+    entry = data["global"]["model_catalog"]["deployments"][name]
+    for key in ("device", "endpoint", "model"):
+        entry.pop(key, None)
+    entry["replicas"] = [{"device": d} for d in devices]
+    return validate(data, "flags")
+
+
+def _placed_devices(dep: DeploymentConfig, platform: str | None, dp: int | None,
+                    device_ids: list[int] | None, available: dict[str, int]) -> list[str]:
+    """The devices of ``-dp``/``--platform``/``--device-ids`` (R6.2's placement rules)."""
     current = dep.placements()
     current_platform = parse_device(current[0].device)[0] if current[0].device else None
     platform = platform or (current_platform or "cpu")
@@ -300,8 +311,8 @@ def apply_flags(config: Config | None, *, model: str | None, backend: str | None
         dp = len(device_ids) if device_ids else len(current)
     same_platform = all(r.device and parse_device(r.device)[0] == platform for r in current)
     if platform == "cpu":
-        devices = ["cpu"] * dp
-    elif device_ids is not None:
+        return ["cpu"] * dp
+    if device_ids is not None:
         devices = [f"{platform}:{device_ids[i % len(device_ids)]}" for i in range(dp)]
     elif same_platform and not dep.shorthand:
         declared = [r.device for r in current]
@@ -317,14 +328,7 @@ def apply_flags(config: Config | None, *, model: str | None, backend: str | None
         if index is not None and index >= available.get(platform, 0):
             raise ConfigError(f"device {d} is not available: {available.get(platform, 0)} "
                               f"{platform} device(s) visible")
-    replicas = [{"device": d} for d in devices]
-    data = config.model_dump(by_alias=True, exclude_none=True)
-    entry = data["global"]["model_catalog"]["deployments"][name]
-    entry.pop("device", None)
-    entry.pop("endpoint", None)
-    entry.pop("model", None)
-    entry["replicas"] = replicas
-    return validate(data, "flags")
+    return devices
 
 
 def endpoint_key(r: ReplicaConfig, where: str) -> str | None:

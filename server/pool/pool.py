@@ -146,6 +146,10 @@ class Pool:
         if self.observer is not None:
             self.observer.pool_event(kind, deployment, replica)
 
+    def record_event(self, kind: str, reason: str) -> None:
+        """A pool-wide event (no deployment or replica), e.g. a refused reconfiguration."""
+        self._event(kind, "-", "-", reason)
+
     def _count(self, deployment: str, replica: str, outcome: str) -> None:
         if self.observer is not None:
             self.observer.exchange(deployment, replica, outcome)
