@@ -98,3 +98,24 @@ def test_a_pooled_worker_refused_by_its_golden_check_says_why(tmp_path):
         assert replicas(second, "primary")[0]["pid"] == rep["pid"]  # not crash-looped
     finally:
         second.close()
+
+
+def test_every_workers_forward_metrics_reach_metrics_labelled_by_replica(tmp_path):
+    """Issue 15 item 4: with -dp 2 the workers' forward time by size range and count reaches
+    the front end's /metrics, one family, each sample labelled by its replica."""
+    server = Server(L3, "-dp", "2", "--threads", "1")
+    try:
+        server.wait_ready()
+        wait_until(lambda: all(r["state"] == "ready" for r in replicas(server, "primary")),
+                   120, "both replicas ready")
+        for i in range(6):
+            assert server.client.post("/v1/embeddings", json={"input": f"m {i}"}).is_success
+        text = server.client.get("/metrics").text
+        counts = {line.split('replica="')[1].split('"')[0]: float(line.split()[-1])
+                  for line in text.splitlines()
+                  if line.startswith("vllm_srun_forward_seconds_count{")}
+        assert set(counts) == {"primary-0", "primary-1"} and sum(counts.values()) >= 6
+        assert text.count("# TYPE vllm_srun_forward_seconds histogram") == 1
+        assert "vllm_srun_requests_total" in text  # the front end's own families too
+    finally:
+        server.close()
