@@ -147,7 +147,7 @@ class AdaptiveThreads:
         self._dirty_learned: set[int] = set()
         self._unflushed_comparisons = 0
         self._loop: ShadowLoop | None = None
-        self._watch: RecordWatch | None = None
+        self._record_watch: RecordWatch | None = None
         self.retired: DriftEvent | None = None
         self.voucher = Voucher(0, 0, False)
         self._load()
@@ -217,9 +217,9 @@ class AdaptiveThreads:
                     r.serving, r.keep_serving = False, None
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
+        if self._record_watch is not None:
+            self._record_watch.stop()
+            self._record_watch = None
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
@@ -265,7 +265,7 @@ class AdaptiveThreads:
         if self.settings.background and self.retired is None:
             self._loop = ShadowLoop(self, batches[0])
             if self.record is not None:
-                self._watch = RecordWatch(self.poll_record, self.settings.watch_s)
+                self._record_watch = RecordWatch(self.poll_record, self.settings.watch_s)
         log.info("threads_golden_passed mode=%d configured=%d counts=%s retired=%s",
                  self.mode, self.configured, list(self.counts), self.retired is not None)
         return None
