@@ -105,22 +105,28 @@ def drifts(backend, context: ThreadContext, n: int, salts: int = 2) -> bool:
     return False
 
 
-def find_shapes(backend, lo: int, run: int = 4) -> tuple[list[int], int | None]:
-    """In the one-row lengths of range lo..2lo-1 (one size range): ``run`` consecutive
-    lengths that do not drift, and a length that does (None if none found). Forwards at 2
-    threads are slow on a busy 2-core host, so it measures only as far as it must."""
+def find_shapes(backend, run: int = 4) -> tuple[int, list[int], int | None]:
+    """A size range lo..2lo-1 of one-row lengths holding ``run`` consecutive lengths that do
+    not drift and one that does: (lo, clean run, drifting length or None). Tries 32-63 (drift
+    at 57+ on the Intel host) then 8-15 (5-11 on the AMD ones). Forwards at 2 threads are slow
+    on a busy 2-core host, so it measures only as far as it must."""
     context = ThreadContext()
     try:
-        clean: list[int] = []
-        for n in range(lo, 2 * lo):
-            clean = [*clean, n] if not drifts(backend, context, n) else []
-            if len(clean) == run:
-                break
-        bad = next((n for n in range(2 * lo - 1, clean[-1] if clean else lo, -1)
-                    if drifts(backend, context, n, 1)), None)
+        for lo in (32, 8):
+            clean: list[int] = []
+            for n in range(lo, 2 * lo):
+                clean = [*clean, n] if not drifts(backend, context, n) else []
+                if len(clean) == run:
+                    break
+            if len(clean) < run:
+                continue
+            bad = next((n for n in reversed(range(lo, 2 * lo))
+                        if n not in clean and drifts(backend, context, n, 1)), None)
+            if bad is not None:
+                return lo, clean, bad
     finally:
         context.shutdown()
-    return (clean if len(clean) == run else []), bad
+    return 0, [], None
 
 
 def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_path):
@@ -130,10 +136,9 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
     drift, which retires this worker and, through the record, the other within a second; the
     other's report names who saw it, when and on what shape."""
     backend = load_backend(M, "torch")
-    covered, drifting = find_shapes(backend, 32)  # one size range holds both
-    if not covered or drifting is None:
-        pytest.skip(f"torch here: no clean run and drifting length in 32-63 ({covered}, "
-                    f"{drifting})")
+    lo, covered, drifting = find_shapes(backend)  # one size range holds both
+    if drifting is None:
+        pytest.skip("torch does not drift here in one-row 8-15 or 32-63 beside a clean run")
     path = tmp_path / "r.sqlite"
     vouch(backend, HostRecord(path), ShapeBounds(1, covered[-1], covered[-1], covered[0]))
     context = ThreadContext()
@@ -148,7 +153,7 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
     ta.worker, tb.worker = "replica a pid 1", "replica b pid 2"
     try:
         for runner, tuner in ((a, ta), (b, tb)):
-            serve_until_serving(runner, tuner, 32, covered)
+            serve_until_serving(runner, tuner, lo, covered)
         for runner, tuner in ((a, ta), (b, tb)):
             for i in range(4):  # covered shapes: served at 2 threads, never moved
                 n = covered[i % len(covered)]
@@ -163,7 +168,9 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
                 break
         assert ta.retired is not None and ta.retired.padded_tokens == drifting
         assert wait_for(lambda: tb.retired is not None, 5.0)
-        assert time.time() - ta.retired.created_at < 1.0  # B stopped within a second
+        lag_s = time.time() - ta.retired.created_at
+        print(f"worker b retired {lag_s:.3f} s after worker a's drift")
+        assert lag_s < 1.0  # B stopped serving learned counts within a second
         out = b.engine.submit([row(covered[0], 0)]).result(timeout=60)
         assert b.served[-1].num_threads == 1
         assert np.array_equal(output_bits(out), output_bits(reference(covered[0], 0)))
