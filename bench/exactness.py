@@ -71,11 +71,13 @@ def forwards_by_count(url: str) -> dict[str, int]:
 
 
 def run(model: str, inputs: int, clients: int, limits: tuple[int, int],
-        learn_s: float = 120.0, work: Path | None = None) -> dict:
+        learn_s: float = 120.0, work: Path | None = None, threads: int = 1) -> dict:
+    """``threads``: the configured count (on a busy host 1 thread wins, so configure 2 to see
+    learned counts served)."""
     work = work or Path(tempfile.mkdtemp(prefix="exactness-"))
     record = str(work / "record.sqlite")
     seqs, tokens = limits
-    flags = ["--threads", "1", "--max-threads", "2", "--max-num-seqs", str(seqs),
+    flags = ["--threads", str(threads), "--max-threads", "2", "--max-num-seqs", str(seqs),
              "--max-num-batched-tokens", str(tokens)]
     began = time.monotonic()
     subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify", model,
@@ -104,6 +106,7 @@ def run(model: str, inputs: int, clients: int, limits: tuple[int, int],
         fixed.close()
     differing = sum(a != b for a, b in zip(served, expected, strict=True))
     return {"model": model, "inputs": inputs, "clients": clients, "limits": list(limits),
+            "configured_threads": threads,
             "verify_s": round(verify_s, 1), "learning_bursts": bursts,
             "forwards_by_count": {n: after.get(n, 0) - before.get(n, 0) for n in after},
             "serving_ranges": [r["size_range"] for r in report["ranges"]
@@ -119,9 +122,11 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1, help="the configured count")
     args = p.parse_args()
     print(json.dumps(run(args.model, args.inputs, args.clients,
-                         (args.max_num_seqs, args.max_num_batched_tokens)), indent=1))
+                         (args.max_num_seqs, args.max_num_batched_tokens),
+                         threads=args.threads), indent=1))
 
 
 if __name__ == "__main__":

@@ -161,10 +161,10 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
                 assert runner.served[-1].num_threads == 2
                 assert np.array_equal(output_bits(out), output_bits(reference(n, i)))
         for i in range(2 * FAST.audit_every):  # the drifting shape, until a probe meets it
-            out = a.engine.submit([row(drifting, i)]).result(timeout=60)
+            out = serve_paced(a, ta, row(drifting, i))
             assert a.served[-1].num_threads == 1  # not covered: the configured count
             assert np.array_equal(output_bits(out), output_bits(reference(drifting, i)))
-            if wait_for(lambda: ta.retired is not None, 10):
+            if ta.retired is not None:
                 break
         assert ta.retired is not None and ta.retired.padded_tokens == drifting
         assert wait_for(lambda: tb.retired is not None, 5.0)
