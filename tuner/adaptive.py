@@ -149,6 +149,7 @@ class AdaptiveThreads:
         self._loop: ShadowLoop | None = None
         self._record_watch: RecordWatch | None = None
         self.retired: DriftEvent | None = None
+        self.retired_at: float | None = None  # time.time() this worker stopped learning
         self.voucher = Voucher(0, 0, False)
         self._load()
 
@@ -449,7 +450,7 @@ class AdaptiveThreads:
 
     def _retire(self, event: DriftEvent) -> None:
         """Learning ends for good (R4.7): every range serves the configured count."""
-        self.retired = event
+        self.retired, self.retired_at = event, time.time()
         for r in self.ranges.values():
             r.serving, r.keep_serving = False, None
         self._jobs.clear()
