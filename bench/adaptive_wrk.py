@@ -67,7 +67,7 @@ def wrk(url: str, script: str, connections: int, seconds: float) -> dict:
 
 class Server:
     def __init__(self, model: str, args: list[str], env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", "vllm_srun.server.cli", "serve", model, *args,
+        cmd = [sys.executable, "-m", "vllm_srun.server", "serve", model, *args,
                "--port", "0", "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env={**os.environ, **env})
@@ -101,7 +101,7 @@ def main() -> None:
     script = tmp / "mixed.lua"
     script.write_text(LUA.replace("MODEL", args.model))
     record = str(tmp / "record.sqlite")
-    subprocess.run([sys.executable, "-m", "vllm_srun.server.cli", "threads", "verify",
+    subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify",
                     args.model, "--record", record], check=True, capture_output=True)
     servers = {"fixed 1 (default)": ([], {}), "fixed 2": (["--threads", "2"], {}),
                "mode 1": (["--record", record], {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"}),

@@ -446,9 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     record = str(out / "bench-record.sqlite")
     for suffix in ("", "-wal", "-shm"):
         Path(record + suffix).unlink(missing_ok=True)
+    # the voucher mode 2 needs; quick: a small sweep (mode 2 then serves learned counts only
+    # for those shapes), else every shape a CPU worker can run (minutes)
+    small = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--max-tokens", "64"] \
+        if args.quick else []
     subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify", MODEL,
-                    "--threads", "1", "--max-threads", "2", "--record", record],
-                   check=True, capture_output=True)  # the voucher mode 2 needs
+                    "--threads", "1", "--max-threads", "2", "--record", record, *small],
+                   check=True, capture_output=True)
     duration = 1.5 if args.quick else 8.0
     http = http_table(levels, duration, args.infinity, record)
     busy = {} if args.quick else http_table(levels, duration, None, record, neighbour=True)

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import sqlite_utils
@@ -62,6 +62,12 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX vouchers_scope ON vouchers (fingerprint, revision, backend)",
         "CREATE INDEX drift_scope ON drift (fingerprint, revision, backend)",
     ],
+    [  # 3: what a sweep covered (counts, shape bounds); a reset retires vouchers; who drifted
+        "ALTER TABLE vouchers ADD COLUMN coverage TEXT",  # JSON ``Coverage``; NULL: none
+        "ALTER TABLE vouchers ADD COLUMN reset_at REAL",
+        "ALTER TABLE drift ADD COLUMN rows INTEGER",
+        "ALTER TABLE drift ADD COLUMN worker TEXT",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -83,24 +89,73 @@ class Scope:
 
 @dataclass(frozen=True)
 class DriftEvent:
-    padded_tokens: int
+    padded_tokens: int  # rows x padded length
     served_threads: int
     shadow_threads: int
     first_index: tuple[int, ...]  # (row, element) of the first differing element
     served_value: float
     shadow_value: float
-    created_at: float = 0.0
+    created_at: float = 0.0  # time.time() seconds
+    rows: int = 0  # 0: not recorded (a record from before schema 3)
+    worker: str = ""  # who saw it: "replica <id> pid <pid>"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What one ``threads verify`` sweep compared (R4.8): the thread counts, and the forward
+    shapes (rows x padded length) within these bounds. Shapes up to ``exhaustive_padded``
+    padded tokens were all swept; above it ``sampled`` of the ``above`` shapes there were, a
+    stratified sample (``sampled == above`` when the sweep was exhaustive)."""
+
+    counts: tuple[int, ...]
+    max_rows: int  # max_num_seqs
+    min_len: int  # padded length (tokens per row) bounds
+    max_len: int
+    max_padded: int  # max_num_batched_tokens (a single row may reach max_len regardless)
+    exhaustive_padded: int
+    shapes: int  # shapes swept in all
+    sampled: int = 0
+    above: int = 0
+
+    def covers_shape(self, rows: int, length: int) -> bool:
+        return (1 <= rows <= self.max_rows and self.min_len <= length <= self.max_len
+                and (rows == 1 or rows * length <= self.max_padded))
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "counts": list(self.counts)})
+
+    @classmethod
+    def from_json(cls, text: str) -> Coverage:
+        raw = json.loads(text)
+        return cls(**{**raw, "counts": tuple(raw["counts"])})
 
 
 @dataclass(frozen=True)
 class Voucher:
+    """The scope's vouchers since its last reset: comparisons and mismatches of sweeps and
+    traffic, and what the sweeps covered. It vouches only if a sweep compared something and
+    nothing ever differed; it covers a served count only together with the configured count
+    in one sweep's counts, and a shape only inside that sweep's bounds."""
+
     comparisons: int
     mismatches: int
-    swept: bool  # a ``threads verify`` sweep contributed
+    swept: bool  # a ``threads verify`` sweep that compared something contributed
+    coverages: tuple[Coverage, ...] = ()
+    legacy: int = 0  # sweeps recorded before coverage was stored: they cover nothing
 
     @property
     def vouches(self) -> bool:
-        return self.swept and self.comparisons > 0 and self.mismatches == 0
+        return self.swept and bool(self.coverages) and self.comparisons > 0 \
+            and self.mismatches == 0
+
+    def covers_counts(self, served: int, configured: int) -> bool:
+        return self.vouches and any({served, configured} <= set(c.counts)
+                                    for c in self.coverages)
+
+    def covers(self, rows: int, length: int, served: int, configured: int) -> bool:
+        """May a forward of ``rows`` x ``length`` be served at ``served`` threads?"""
+        return self.vouches and any({served, configured} <= set(c.counts)
+                                    and c.covers_shape(rows, length) for c in self.coverages)
 
 
 class HostRecord:
@@ -314,19 +369,34 @@ class HostRecord:
             params)}
 
     # -- vouchers and drift ----------------------------------------------------------------
-    def add_voucher(self, scope: Scope, source: str, comparisons: int, mismatches: int) -> None:
+    def add_voucher(self, scope: Scope, source: str, comparisons: int, mismatches: int,
+                    coverage: Coverage | None = None) -> None:
+        """``source`` "verify" (a sweep, with what it covered) or "traffic" (shadows)."""
+        if source == "verify" and coverage is None and comparisons:
+            raise ValueError("a sweep's voucher must say what it covered")
         with self._write() as db:
             db["vouchers"].insert({**_scope(scope), "source": source,
                                    "comparisons": comparisons, "mismatches": mismatches,
+                                   "coverage": coverage.to_json() if coverage else None,
                                    "created_at": time.time()})
 
     def voucher(self, scope: Scope) -> Voucher:
+        """The vouchers recorded since the scope's last reset, taken together."""
         where, params = scope.where()
-        rows = self._rows(f"SELECT source, sum(comparisons) AS c, sum(mismatches) AS m "
-                          f"FROM vouchers WHERE {where} GROUP BY source", params)
-        return Voucher(comparisons=sum(r["c"] for r in rows),
-                       mismatches=sum(r["m"] for r in rows),
-                       swept=any(r["source"] == "verify" for r in rows))
+        rows = self._rows(f"SELECT source, comparisons, mismatches, coverage FROM vouchers "
+                          f"WHERE {where} AND reset_at IS NULL ORDER BY id", params)
+        sweeps = [r for r in rows if r["source"] == "verify" and r["comparisons"] > 0]
+        coverages = []
+        for r in sweeps:
+            if r["coverage"]:
+                try:
+                    coverages.append(Coverage.from_json(r["coverage"]))
+                except (ValueError, TypeError, KeyError) as exc:
+                    log.warning("voucher_coverage_unreadable scope=%s error=%s", scope, exc)
+        return Voucher(comparisons=sum(r["comparisons"] for r in rows),
+                       mismatches=sum(r["mismatches"] for r in rows),
+                       swept=bool(coverages), coverages=tuple(coverages),
+                       legacy=sum(not r["coverage"] for r in sweeps))
 
     def record_drift(self, scope: Scope, event: DriftEvent) -> None:
         with self._write() as db:
@@ -336,7 +406,8 @@ class HostRecord:
                                 "first_index": json.dumps(list(event.first_index)),
                                 "served_value": event.served_value,
                                 "shadow_value": event.shadow_value,
-                                "created_at": event.created_at or time.time()})
+                                "created_at": event.created_at or time.time(),
+                                "rows": event.rows or None, "worker": event.worker or None})
 
     def drift(self, scope: Scope) -> DriftEvent | None:
         """The drift event that retired learning for this scope, unless reset."""
@@ -348,14 +419,18 @@ class HostRecord:
         r = rows[0]
         return DriftEvent(r["padded_tokens"], r["served_threads"], r["shadow_threads"],
                           tuple(json.loads(r["first_index"])), r["served_value"],
-                          r["shadow_value"], r["created_at"])
+                          r["shadow_value"], r["created_at"], r["rows"] or 0,
+                          r["worker"] or "")
 
     def reset(self, scope: Scope) -> None:
-        """Operator reset: forget drift, learned counts and timings for the scope."""
+        """Operator reset: forget drift, learned counts and timings for the scope, and retire
+        its vouchers (kept as history): mode 2 needs a new sweep, which can vouch again."""
         where, params = scope.where()
+        now = time.time()
         with self._write() as db:
-            db.execute(f"UPDATE drift SET reset_at = ? WHERE {where} AND reset_at IS NULL",
-                       [time.time(), *params])
+            for table in ("drift", "vouchers"):
+                db.execute(f"UPDATE {table} SET reset_at = ? WHERE {where} AND reset_at IS NULL",
+                           [now, *params])
             db.execute(f"DELETE FROM learned WHERE {where}", params)
             db.execute(f"DELETE FROM timings WHERE {where}", params)
 

@@ -27,7 +27,7 @@ from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import RangeState
 from vllm_srun.tuner.report import build, from_tuner
-from vllm_srun.tuner.verify import sweep, sweep_batches
+from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
 M = resolve(L6)
 
@@ -95,11 +95,12 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
     backend = backends["onnxruntime"]
     record = HostRecord(tmp_path / "r.sqlite")
     scope = Scope("test-host", M.revision, "onnxruntime")
-    res = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), sweep_batches(M.max_tokens))
-    assert res.mismatches == 0
-    record.add_voucher(scope, "verify", res.comparisons, res.mismatches)
+    plan = plan_sweep(ShapeBounds(max_rows=1, max_len=128, max_padded=128))  # what is served
+    res = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
+    assert res.mismatches == 0 and res.comparisons == 127
+    record.add_voucher(scope, "verify", res.comparisons, res.mismatches, plan.coverage((1, 2)))
     rng = np.random.default_rng(7)
-    lengths = np.exp(rng.uniform(np.log(3), np.log(256), 300)).astype(int)
+    lengths = np.exp(rng.uniform(np.log(3), np.log(128), 300)).astype(int)
     rows = [row(int(n), i) for i, n in enumerate(lengths)]
     context = ThreadContext()  # answers at the configured count
     references = [context.run(1, lambda r=r: backend.forward(pad([r]), 1)).outputs
@@ -244,7 +245,8 @@ def test_a_restarted_worker_learns_from_fresh_samples_and_keeps_voucher_and_drif
     decides from them; the voucher (and a drift, below) still hold after a restart."""
     record = HostRecord(tmp_path / "r.sqlite")
     scope = Scope("test-host", M.revision, "onnxruntime")
-    record.add_voucher(scope, "verify", 40, 0)
+    record.add_voucher(scope, "verify", 40, 0, plan_sweep(ShapeBounds(1, 256, 256)).coverage(
+        (1, 2)))
     for lo in (64, 128):  # an earlier process found 2 threads 1000x faster and served it
         record.add_samples(scope, lo, 1, [1000.0] * 60)
         record.add_samples(scope, lo, 2, [1.0] * 60)

@@ -16,6 +16,7 @@ from vllm_srun.records.host_record import (
     APPLICATION_ID,
     MIGRATIONS,
     SCHEMA_VERSION,
+    Coverage,
     DriftEvent,
     HostRecord,
     HostRecordError,
@@ -23,6 +24,8 @@ from vllm_srun.records.host_record import (
 )
 
 SCOPE = Scope("f00d", "rev1", "onnxruntime")
+# a sweep at counts 1 and 2 of 1-4 rows x 2-128 tokens, up to 256 padded tokens, all of it
+SWEPT = Coverage((1, 2), 4, 2, 128, 256, 1024, 500)
 
 
 @pytest.fixture
@@ -44,20 +47,20 @@ def test_learnings_survive_reopening(path):
     r.add_samples(SCOPE, 8, 1, [1.0, 2.0])
     r.add_samples(SCOPE, 8, 1, [3.0])
     r.put_learned(SCOPE, 8, 2, 1.4, 9)
-    r.add_voucher(SCOPE, "verify", 10, 0)
+    r.add_voucher(SCOPE, "verify", 10, 0, SWEPT)
     r.close()
     r = HostRecord(path)
     assert r.golden(SCOPE) == "abc"
     assert r.timings(SCOPE) == {8: {1: [1.0, 2.0, 3.0]}}
     assert r.learned(SCOPE)[8]["num_threads"] == 2
-    assert r.voucher(SCOPE).vouches
+    assert r.voucher(SCOPE).vouches and r.voucher(SCOPE).coverages == (SWEPT,)
     assert r.golden(Scope("other", "rev1", "onnxruntime")) is None
 
 
 def test_drift_retires_until_reset_and_reset_keeps_history(path):
     r = HostRecord(path)
     r.add_samples(SCOPE, 8, 1, [1.0])
-    event = DriftEvent(7, 2, 1, (0, 17), 0.25, 0.2500001, 123.0)
+    event = DriftEvent(7, 2, 1, (0, 17), 0.25, 0.2500001, 123.0, 1, "replica r1 pid 42")
     r.record_drift(SCOPE, event)
     assert HostRecord(path).drift(SCOPE) == event
     r.reset(SCOPE)
@@ -67,13 +70,81 @@ def test_drift_retires_until_reset_and_reset_keeps_history(path):
 
 
 def test_traffic_comparisons_alone_do_not_vouch(path):
+    """R4.8: traffic adds to a sweep's comparisons but never vouches by itself."""
     r = HostRecord(path)
     r.add_voucher(SCOPE, "traffic", 500, 0)
     assert not r.voucher(SCOPE).vouches
-    r.add_voucher(SCOPE, "verify", 40, 0)
+    r.add_voucher(SCOPE, "verify", 40, 0, SWEPT)
     assert r.voucher(SCOPE).vouches and r.voucher(SCOPE).comparisons == 540
     r.add_voucher(SCOPE, "traffic", 1, 1)
     assert not r.voucher(SCOPE).vouches
+
+
+def test_a_sweep_that_compared_nothing_vouches_for_nothing(path):
+    """R4.8: an empty sweep, then traffic, still vouches for nothing."""
+    r = HostRecord(path)
+    r.add_voucher(SCOPE, "verify", 0, 0, SWEPT)
+    r.add_voucher(SCOPE, "traffic", 500, 0)
+    v = r.voucher(SCOPE)
+    assert (v.vouches, v.swept, v.coverages) == (False, False, ())
+    assert not v.covers(1, 8, 2, 1)
+    with pytest.raises(ValueError, match="what it covered"):
+        r.add_voucher(SCOPE, "verify", 10, 0)
+
+
+def test_voucher_covers_only_its_counts_and_shapes(path):
+    """R4.8: a sweep at {1, 2} vouches for neither 4 threads nor shapes outside its bounds."""
+    r = HostRecord(path)
+    r.add_voucher(SCOPE, "verify", 500, 0, SWEPT)
+    v = r.voucher(SCOPE)
+    assert v.covers(1, 128, 2, 1) and v.covers(4, 64, 1, 2) and v.covers(1, 2, 2, 1)
+    assert not v.covers(1, 64, 4, 1)  # count never swept
+    assert not v.covers(1, 64, 2, 4)  # configured count never swept
+    assert not v.covers(5, 8, 2, 1)  # more rows than swept
+    assert not v.covers(3, 100, 2, 1)  # 300 padded tokens: above the swept 256
+    assert not v.covers(1, 129, 2, 1)  # longer than swept
+    assert not v.covers(1, 1, 2, 1)  # shorter than swept
+    r.add_voucher(SCOPE, "verify", 9, 0, Coverage((1, 4), 1, 2, 128, 128, 1024, 127))
+    assert r.voucher(SCOPE).covers(1, 64, 4, 1) and not r.voucher(SCOPE).covers(2, 8, 4, 1)
+
+
+def test_after_reset_a_new_sweep_vouches_again(path):
+    """R4.8: a drift and a mismatch block vouching until reset; after it, old vouchers are
+    history and a new sweep vouches again."""
+    r = HostRecord(path)
+    r.add_voucher(SCOPE, "verify", 500, 0, SWEPT)
+    r.record_drift(SCOPE, DriftEvent(7, 2, 1, (0, 0), 0.0, 1.0, 1.0, 1, "pid 1"))
+    r.add_voucher(SCOPE, "traffic", 1, 1)
+    assert not r.voucher(SCOPE).vouches
+    r.reset(SCOPE)
+    assert r.voucher(SCOPE) == type(r.voucher(SCOPE))(0, 0, False)
+    r.add_voucher(SCOPE, "verify", 200, 0, SWEPT)
+    assert r.voucher(SCOPE).vouches and r.voucher(SCOPE).comparisons == 200
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM vouchers").fetchone()[0] == 3
+
+
+def test_schema_2_file_migrates_its_old_sweeps_vouch_for_nothing(path):
+    """R4.8, R4.9: a record from before coverage was stored keeps working: its drift and golden
+    answers stay, and its sweep (which never said what it covered) vouches for nothing."""
+    conn = sqlite3.connect(path)
+    for statement in MIGRATIONS[0] + MIGRATIONS[1]:
+        conn.execute(statement)
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO vouchers (fingerprint, revision, backend, source, comparisons, "
+                 "mismatches, created_at) VALUES ('f00d', 'rev1', 'onnxruntime', 'verify', 33, "
+                 "0, 0)")
+    conn.execute("INSERT INTO drift (fingerprint, revision, backend, padded_tokens, "
+                 "served_threads, shadow_threads, first_index, served_value, shadow_value, "
+                 "created_at) VALUES ('f00d', 'rev1', 'onnxruntime', 7, 2, 1, '[0, 3]', 0.5, "
+                 "0.25, 9.0)")
+    conn.commit()
+    conn.close()
+    r = HostRecord(path)
+    assert r.quarantined is None
+    v = r.voucher(SCOPE)
+    assert (v.vouches, v.legacy, v.comparisons) == (False, 1, 33)
+    assert r.drift(SCOPE) == DriftEvent(7, 2, 1, (0, 3), 0.5, 0.25, 9.0, 0, "")
 
 
 @pytest.mark.parametrize("content", [b"this is not sqlite at all" * 100, b""],

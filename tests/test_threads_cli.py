@@ -17,21 +17,59 @@ def test_junk_adaptive_mode_is_a_startup_error():
     assert r.returncode == 2 and "VLLM_SRUN_CPU_ADAPTIVE_THREADS" in r.stderr
 
 
+SMALL = ("--max-num-seqs", "2", "--max-num-batched-tokens", "48", "--max-tokens", "40")
+
+
 def test_verify_report_reset(tmp_path):
+    """R4.8, R4.10: the sweep covers every shape within the bounds given (2 rows, 48 padded
+    tokens, lengths 2-40: 62 shapes), says so and records it; a reset retires the voucher and
+    a new sweep vouches again."""
     record = str(tmp_path / "r.sqlite")
-    r = run_cli("threads", "verify", L3, "--threads", "1", "--max-threads", "2",
-                "--record", record)
+    verify = ("threads", "verify", L3, "--threads", "1", "--max-threads", "2", "--record",
+              record, *SMALL)
+    r = run_cli(*verify)
     assert r.returncode == 0, r.stderr
-    assert "bit-identical across counts [1, 2]" in r.stdout and "verify: " in r.stderr
+    assert "bit-identical across counts [1, 2] in all 62 comparisons" in r.stdout
+    assert "covered: counts [1, 2]; 1-2 rows x padded length 2-40, several rows up to 48 " \
+           "padded tokens: every shape (62)" in r.stdout
+    assert "verify: 62/62 shapes, 62 comparisons, 0 mismatches" in r.stderr
     r = run_cli("threads", "report", "--record", record, "--json")
     (rep,) = json.loads(r.stdout)
-    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] > 20
+    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 62
+    (cov,) = rep["voucher"]["coverage"]
+    assert (cov["counts"], cov["max_rows"], cov["min_len"], cov["max_len"], cov["max_padded"],
+            cov["shapes"]) == ([1, 2], 2, 2, 40, 48, 62)
     png = tmp_path / "plot.png"
     r = run_cli("threads", "report", "--record", record, "--plot", str(png))
-    assert r.returncode == 0 and "voucher: yes" in r.stdout
+    assert r.returncode == 0 and "voucher: yes" in r.stdout and "vouched: counts [1, 2]" \
+        in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = run_cli("threads", "reset", L3, "--record", record)
-    assert r.returncode == 0 and "reset learning" in r.stdout
+    assert r.returncode == 0 and "reset learning" in r.stdout and "vouchers retired" in r.stdout
+    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)
+    assert not rep["voucher"]["vouches"] and rep["voucher"]["coverage"] == []
+    assert run_cli(*verify).returncode == 0
+    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)
+    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 62
+
+
+def test_verify_with_one_count_records_nothing(tmp_path):
+    """R4.8: a sweep that compares nothing vouches for nothing, and says so."""
+    record = tmp_path / "r.sqlite"
+    r = run_cli("threads", "verify", L3, "--threads", "1", "--max-threads", "1", "--record",
+                str(record), *SMALL)
+    assert r.returncode == 1 and "nothing to compare, no voucher" in r.stdout
+    assert not record.exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--max-num-seqs", "0"), "--max-num-seqs must be a positive integer"),
+    (("--max-tokens", "4096"), "above paraphrase-MiniLM-L3-v2's limit of 128"),
+    (("--min-tokens", "50", "--max-tokens", "40"), "--min-tokens 50 is above --max-tokens 40"),
+])
+def test_verify_bad_bounds_are_clear_errors(tmp_path, flags, message):
+    r = run_cli("threads", "verify", L3, "--record", str(tmp_path / "r.sqlite"), *flags)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 def test_threads_endpoint_in_mode_1(tmp_path):

@@ -25,15 +25,21 @@ goes on serving the count it had verified until the new one passes its window; w
 served count itself moved, it serves the configured count meanwhile). A new worker starts from
 fresh samples too; the record keeps the old ones as history, and its drift and voucher hold.
 
+Drift is host-wide (R4.8): a ``RecordWatch`` thread of the tuner's own reads the record's
+drift and voucher every ``watch_s``, so a drift any worker of the scope recorded retires this
+one too, within a second; a served forward only reads the tuner's own fields.
+
 Invariant: mode 1 serves every forward at the configured count; mode 2 serves a learned count
-for a range only while the record vouches for the host, the count passed ``window``
-consecutive verified shadows, and no drift was seen.
+for a forward only while the record vouches for that count and that forward's shape (rows x
+padded length; R4.8), the count passed ``window`` consecutive verified shadows, and no drift
+was seen by any worker of the scope.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +79,7 @@ class TunerSettings:
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 48  # recent samples per count per range that decisions rest on
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
+    watch_s: float = 0.5  # how often drift and the voucher are read back from the record
 
 
 @dataclass
@@ -112,13 +119,15 @@ class AdaptiveThreads:
                  settings: TunerSettings | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  shadow_forward: Forward | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None,
+                 worker: str | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.scope, self.record, self.forward = scope, record, forward
         self.shadow_forward = shadow_forward or forward
         self.settings = settings or TunerSettings()
         self.clock = clock
         self.on_close = on_close
+        self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.locked_reason: str | None = "golden check has not run"
         self.record_error: str | None = None
         self.shadow_error: str | None = None
@@ -126,6 +135,7 @@ class AdaptiveThreads:
         self.comparisons = 0
         self.audits = 0  # verified shadows of forwards served at a learned count
         self.discarded = 0  # shadows whose time overlapped a served forward
+        self.uncovered = 0  # forwards kept at the configured count: the voucher lacks the shape
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self._jobs: dict[int, _Job] = {}
         self._busy = 0  # served forwards running now
@@ -137,7 +147,9 @@ class AdaptiveThreads:
         self._dirty_learned: set[int] = set()
         self._unflushed_comparisons = 0
         self._loop: ShadowLoop | None = None
+        self._record_watch: RecordWatch | None = None
         self.retired: DriftEvent | None = None
+        self.retired_at: float | None = None  # time.time() this worker stopped learning
         self.voucher = Voucher(0, 0, False)
         self._load()
 
@@ -185,7 +197,30 @@ class AdaptiveThreads:
 
         self._guard("flush", write)
 
+    def poll_record(self) -> None:
+        """Read drift and the voucher back from the record (the watch thread): a drift any
+        worker of the scope recorded retires this one; a new sweep or a reset shows here."""
+        record = self.record
+        if record is None or self.retired is not None:
+            return
+        event = self._guard("read_drift", lambda: record.drift(self.scope))
+        voucher = self._guard("read_voucher", lambda: record.voucher(self.scope))
+        with self.lock:
+            if voucher is not None:
+                self.voucher = voucher
+            if event is not None and self.retired is None:
+                self._retire(event)
+                log.warning("threads_drift_seen_by_another worker=%s seen_by=%s rows=%d "
+                            "padded_tokens=%d", self.worker, event.worker, event.rows,
+                            event.padded_tokens)
+            elif not self.voucher.vouches:
+                for r in self.ranges.values():
+                    r.serving, r.keep_serving = False, None
+
     def close(self) -> None:
+        if self._record_watch is not None:
+            self._record_watch.stop()
+            self._record_watch = None
         if self._loop is not None:
             self._loop.stop()
             self._loop = None
@@ -230,6 +265,8 @@ class AdaptiveThreads:
         self._started = self.clock()
         if self.settings.background and self.retired is None:
             self._loop = ShadowLoop(self, batches[0])
+            if self.record is not None:
+                self._record_watch = RecordWatch(self.poll_record, self.settings.watch_s)
         log.info("threads_golden_passed mode=%d configured=%d counts=%s retired=%s",
                  self.mode, self.configured, list(self.counts), self.retired is not None)
         return None
@@ -240,7 +277,12 @@ class AdaptiveThreads:
         with self.lock:
             self._busy += 1
             self._epoch += 1
-            return self._serving_count(size_range(batch.padded_tokens)[0])
+            n = self._serving_count(size_range(batch.padded_tokens)[0])
+            if n != self.configured and not self.voucher.covers(
+                    batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
+                self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
+                return self.configured
+            return n
 
     def _serving_count(self, lo: int) -> int:
         r = self.ranges.get(lo)
@@ -269,8 +311,9 @@ class AdaptiveThreads:
                 r.served_at_learned += 1
             need = counts_needing_samples(r.samples, self.counts, s.min_samples) \
                 if r.learned is None else []
-            window_due = (self.mode is AdaptiveMode.SERVE and self.voucher.vouches
-                          and r.learned not in (None, self.configured) and not r.serving)
+            window_due = (self.mode is AdaptiveMode.SERVE and not r.serving
+                          and r.learned not in (None, self.configured)
+                          and self.voucher.covers_counts(r.learned, self.configured))
             counts = shadow_plan(need, window_due, r.learned, result.num_threads, self.counts,
                                  r.served_at_learned, s.audit_every)
             if counts:
@@ -360,7 +403,8 @@ class AdaptiveThreads:
     def _maybe_serve(self, lo: int, r: RangeLearning) -> None:
         if (self.mode is AdaptiveMode.SERVE and not r.serving and self.retired is None
                 and r.learned not in (None, self.configured)
-                and r.streak >= self.settings.window and self.voucher.vouches):
+                and r.streak >= self.settings.window
+                and self.voucher.covers_counts(r.learned, self.configured)):
             r.serving, r.keep_serving = True, None
             log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
                      lo, 2 * lo - 1, r.learned, r.streak)
@@ -397,15 +441,41 @@ class AdaptiveThreads:
         at = tuple(int(i) for i in np.argwhere(
             output_bits(result.outputs) != output_bits(job.outputs))[0])
         event = DriftEvent(job.batch.padded_tokens, job.served_threads, count, at,
-                           float(job.outputs[at]), float(result.outputs[at]), time.time())
-        self.retired = event
-        for r in self.ranges.values():
-            r.serving, r.keep_serving = False, None
-        self._jobs.clear()
-        log.warning("threads_drift padded_tokens=%d served_threads=%d shadow_threads=%d "
-                    "first_index=%s served=%r shadow=%r", event.padded_tokens,
-                    event.served_threads, count, list(at), event.served_value,
-                    event.shadow_value)
+                           float(job.outputs[at]), float(result.outputs[at]), time.time(),
+                           job.batch.rows, self.worker)
+        self._retire(event)
+        log.warning("threads_drift worker=%s rows=%d padded_tokens=%d served_threads=%d "
+                    "shadow_threads=%d first_index=%s served=%r shadow=%r", self.worker,
+                    event.rows, event.padded_tokens, event.served_threads, count, list(at),
+                    event.served_value, event.shadow_value)
         record = self.record
         self._guard("write_drift", lambda: record.record_drift(self.scope, event))
         self._guard("write_voucher", lambda: record.add_voucher(self.scope, "traffic", 1, 1))
+
+    def _retire(self, event: DriftEvent) -> None:
+        """Learning ends for good (R4.7): every range serves the configured count."""
+        self.retired, self.retired_at = event, time.time()
+        for r in self.ranges.values():
+            r.serving, r.keep_serving = False, None
+        self._jobs.clear()
+
+
+class RecordWatch:
+    """The tuner's record-reading thread: ``poll`` every ``interval_s`` until stopped."""
+
+    def __init__(self, poll: Callable[[], None], interval_s: float) -> None:
+        self._poll, self._interval_s = poll, interval_s
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="record-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._poll()
+            except Exception:  # a read that fails is retried at the next interval
+                log.exception("record_watch_failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)

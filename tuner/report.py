@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import asdict, dataclass, replace
 
 from vllm_srun.records.host_record import DriftEvent, Scope, Voucher
 from vllm_srun.tuner.adaptive import AdaptiveThreads, RangeLearning
@@ -28,6 +29,7 @@ class ReportInput:
     record_path: str | None = None
     record_error: str | None = None
     shadow_error: str | None = None
+    uncovered: int = 0  # forwards kept at the configured count: shape not vouched for
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -36,7 +38,8 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
         ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
                   for lo, r in t.ranges.items()}
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
-                       t.locked_reason, record_path, t.record_error, t.shadow_error)
+                       t.locked_reason, record_path, t.record_error, t.shadow_error,
+                       t.uncovered)
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
@@ -47,7 +50,7 @@ def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
     if r.learned is None:
         return RangeState.RELEARNING if r.relearning else RangeState.EXPLORING
     if inp.mode is AdaptiveMode.SERVE and r.learned != inp.configured:
-        if not inp.voucher.vouches:
+        if not inp.voucher.covers_counts(r.learned, inp.configured):
             return RangeState.NO_VOUCHER
         return RangeState.SERVING if r.serving else RangeState.VERIFYING
     return RangeState.LEARNED
@@ -75,7 +78,12 @@ def build(inp: ReportInput) -> dict:
         notes.append("mode 2 acts as mode 1: the host record has no voucher of bit-identity "
                      "across counts for this host, revision and backend (run `vllm-srun threads "
                      "verify`)" + (f"; {inp.voucher.mismatches} mismatches recorded"
-                                   if inp.voucher.mismatches else ""))
+                                   if inp.voucher.mismatches else "")
+                     + (f"; {inp.voucher.legacy} sweep(s) from before sweeps recorded what they "
+                        "covered vouch for nothing" if inp.voucher.legacy else ""))
+    if inp.mode is AdaptiveMode.SERVE and inp.uncovered:
+        notes.append(f"{inp.uncovered} forwards at a learned range ran at the configured count: "
+                     "their shape or count is outside every voucher's coverage")
     if inp.drift is not None and inp.scope.backend == "torch":
         notes.append(CBWR_REMEDY)
     if inp.locked_reason:
@@ -92,8 +100,16 @@ def build(inp: ReportInput) -> dict:
         "record": inp.record_path,
         "voucher": {"comparisons": inp.voucher.comparisons,
                     "mismatches": inp.voucher.mismatches, "swept": inp.voucher.swept,
-                    "vouches": inp.voucher.vouches},
+                    "vouches": inp.voucher.vouches,
+                    "coverage": [{**asdict(c), "counts": list(c.counts)}
+                                 for c in inp.voucher.coverages]},
+        "uncovered_forwards": inp.uncovered,
         "drift": None if inp.drift is None else {
+            "worker": inp.drift.worker or None,
+            "seen_at": _utc(inp.drift.created_at) if inp.drift.created_at else None,
+            "rows": inp.drift.rows or None,
+            "padded_length": (inp.drift.padded_tokens // inp.drift.rows
+                              if inp.drift.rows else None),
             "padded_tokens": inp.drift.padded_tokens,
             "served_threads": inp.drift.served_threads,
             "shadow_threads": inp.drift.shadow_threads,
@@ -128,13 +144,32 @@ def table(report: dict) -> str:
            f"{'yes' if report['voucher']['vouches'] else 'no'} "
            f"({report['voucher']['comparisons']} comparisons, "
            f"{report['voucher']['mismatches']} mismatches)"]
+    for c in report["voucher"].get("coverage", []):
+        top.append(f"  vouched: counts {c['counts']}, {coverage_text(c)}")
     if report["drift"]:
         d = report["drift"]
-        top.append(f"RETIRED BY DRIFT: {d['padded_tokens']} padded tokens, served at "
-                   f"{d['served_threads']} vs shadow at {d['shadow_threads']} threads, first "
-                   f"difference at {d['first_index']}: {d['served_value']!r} vs "
+        shape = (f"{d['rows']} rows x {d['padded_length']} = " if d.get("rows") else "")
+        top.append(f"RETIRED BY DRIFT seen by {d.get('worker') or 'a worker'} at "
+                   f"{d.get('seen_at') or '?'}: {shape}{d['padded_tokens']} padded tokens, "
+                   f"served at {d['served_threads']} vs shadow at {d['shadow_threads']} threads, "
+                   f"first difference at {d['first_index']}: {d['served_value']!r} vs "
                    f"{d['shadow_value']!r}")
     return "\n".join(top + lines + [f"note: {n}" for n in report["notes"]]) + "\n"
+
+
+def coverage_text(c: dict) -> str:
+    """What one sweep covered, in words (the report and ``threads verify``)."""
+    text = (f"1-{c['max_rows']} rows x padded length {c['min_len']}-{c['max_len']}, several "
+            f"rows up to {c['max_padded']} padded tokens: ")
+    if c["sampled"] == c["above"]:
+        return text + f"every shape ({c['shapes']})"
+    return text + (f"every shape up to {c['exhaustive_padded']} padded tokens "
+                   f"({c['shapes'] - c['sampled']}), a stratified sample of {c['sampled']} of "
+                   f"the {c['above']} above")
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def plot(reports: list[dict], path: str) -> None:

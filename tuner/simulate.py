@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_srun.records.host_record import Scope, Voucher
+from vllm_srun.records.host_record import Coverage, Scope, Voucher
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
@@ -111,7 +111,9 @@ class SimulatedHost:
                                          settings, clock=lambda: self.now_s,
                                          shadow_forward=self._shadow)
             self.tuner.locked_reason = None  # no golden check to run on a model
-            self.tuner.voucher = Voucher(1, 0, True)
+            big = 1 << 30  # a modelled host: every count and shape vouched for
+            self.tuner.voucher = Voucher(1, 0, True, (Coverage(tuple(self.counts), big, 1, big,
+                                                               big, big, 1),))
 
     def free_cores(self, at_s: float) -> int:
         taken = sum(n.cores for n in self.neighbours if n.start_s <= at_s < n.end_s)

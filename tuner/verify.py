@@ -1,5 +1,15 @@
-"""The voucher sweep (R4.8): inputs across every size range, run at every allowed count, and
-whether all answers were bit-identical to the configured count's."""
+"""The voucher sweep (R4.8 amended): every forward shape the engine can run, at every allowed
+count, compared bit for bit with the configured count's answer.
+
+A shape is rows x padded length, as ``runtime.batching.next_batch`` forms it: at most
+``max_rows`` rows (``max_num_seqs``), a padded length up to the model's limit, and at most
+``max_padded`` padded tokens (``max_num_batched_tokens``) unless the forward is one row.
+Every shape up to ``EXHAUSTIVE_PADDED`` padded tokens is swept; above it, where shapes are
+many and forwards long, a stratified sample: per stratum (size range of padded tokens x
+power-of-two row count) its largest shape, its smallest and ``per_stratum - 2`` drawn at
+random (seeded). The ``Coverage`` the sweep returns says which, and mode 2 serves a learned
+count only for counts and shapes inside it.
+"""
 
 from __future__ import annotations
 
@@ -8,58 +18,129 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_srun.records.host_record import Coverage
+from vllm_srun.runtime.batching import length_bucket
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.adaptive import output_bits
+
+EXHAUSTIVE_PADDED = 1024  # every shape up to this many padded tokens is swept
+PER_STRATUM = 3  # shapes sampled per stratum above it
+
+Shape = tuple[int, int]  # (rows, padded length)
+
+
+@dataclass(frozen=True)
+class ShapeBounds:
+    """The shapes an engine can run: its batch limits and the model's length limit."""
+
+    max_rows: int
+    max_len: int
+    max_padded: int
+    min_len: int = 2  # a tokenized input has at least its two special tokens
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_len", "max_padded", "min_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, not {getattr(self, name)}")
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len {self.min_len} is above max_len {self.max_len}")
+
+    def shapes(self) -> list[Shape]:
+        """Every shape within the bounds, smallest first."""
+        out = [(rows, length) for rows in range(1, self.max_rows + 1)
+               for length in range(self.min_len, self.max_len + 1)
+               if rows == 1 or rows * length <= self.max_padded]
+        return sorted(out, key=lambda s: (s[0] * s[1], s))
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    bounds: ShapeBounds
+    shapes: list[Shape]  # to sweep, smallest first
+    exhaustive_padded: int
+    sampled: int
+    above: int
+
+    def coverage(self, counts: tuple[int, ...]) -> Coverage:
+        b = self.bounds
+        return Coverage(tuple(sorted(counts)), b.max_rows, b.min_len, b.max_len, b.max_padded,
+                        self.exhaustive_padded, len(self.shapes), self.sampled, self.above)
+
+
+def plan_sweep(bounds: ShapeBounds, exhaustive_padded: int = EXHAUSTIVE_PADDED,
+               per_stratum: int = PER_STRATUM, seed: int = 0) -> SweepPlan:
+    shapes = bounds.shapes()
+    small = [s for s in shapes if s[0] * s[1] <= exhaustive_padded]
+    large = [s for s in shapes if s[0] * s[1] > exhaustive_padded]
+    strata: dict[tuple[int, int], list[Shape]] = {}
+    for s in large:
+        strata.setdefault((size_range(s[0] * s[1])[0], size_range(s[0])[0]), []).append(s)
+    rng = np.random.default_rng(seed)
+    chosen: set[Shape] = set()
+    for members in strata.values():
+        members.sort(key=lambda s: (s[0] * s[1], s))
+        picks = {members[-1], members[0]} if per_stratum >= 2 else {members[-1]}
+        rest = [s for s in members if s not in picks]
+        for i in rng.permutation(len(rest))[: max(0, per_stratum - len(picks))]:
+            picks.add(rest[int(i)])
+        chosen |= picks
+    sampled = sorted(chosen, key=lambda s: (s[0] * s[1], s))
+    return SweepPlan(bounds, small + sampled, exhaustive_padded, len(sampled), len(large))
+
+
+def shape_batch(shape: Shape, rng: np.random.Generator) -> TokenBatch:
+    """A batch of this shape as the engine forms one: the first row has the padded length,
+    the others lengths of the same length bucket (so their masks vary)."""
+    rows, length = shape
+    floor = max(2, length_bucket(length) // 2 + 1) if length > 8 else 2
+
+    def row(n: int) -> list[int]:
+        return [101, *(int(t) for t in rng.integers(1000, 29000, max(0, n - 2))), 102][:n]
+
+    return pad([row(length)] + [row(int(rng.integers(min(floor, length), length + 1)))
+                                for _ in range(rows - 1)])
 
 
 @dataclass
 class SweepResult:
     comparisons: int = 0
     mismatches: int = 0
+    shapes: int = 0  # shapes swept so far
     by_range: dict[int, list[int]] = field(default_factory=dict)  # lo -> [comparisons, bad]
     first_mismatch: dict | None = None
 
 
-def sweep_batches(max_tokens: int, seed: int = 0) -> list[TokenBatch]:
-    """Deterministic batches: every length 3..16 (where kernels switch paths), then
-    log-spaced lengths up to the limit, each alone and four to a batch."""
-    rng = np.random.default_rng(seed)
-    lengths = sorted({*range(3, 17), *(int(x) for x in np.geomspace(17, max_tokens, 10))})
-
-    def row(n: int) -> list[int]:
-        return [101, *(int(t) for t in rng.integers(1000, 29000, n - 2)), 102]
-
-    batches = [pad([row(n)]) for n in lengths]
-    for n in lengths[::3] + [max_tokens]:
-        batches.append(pad([row(n), row(max(3, n // 2)), row(max(3, n - 1)), row(3)]))
-    return batches
-
-
 def sweep(forward: Callable[[TokenBatch, int], ForwardResult], configured: int,
-          counts: tuple[int, ...], batches: list[TokenBatch],
-          progress: Callable[[int, int, SweepResult], None] | None = None) -> SweepResult:
+          counts: tuple[int, ...], shapes: list[Shape], seed: int = 0,
+          progress: Callable[[SweepResult, int], None] | None = None) -> SweepResult:
+    """Run each shape at the configured count, then at every other count, and compare the
+    bits. ``progress(result, total)`` after each shape."""
+    rng = np.random.default_rng(seed)
     result = SweepResult()
-    for i, batch in enumerate(batches):
-        reference = forward(batch, configured).outputs
-        lo = size_range(batch.padded_tokens)[0]
-        tally = result.by_range.setdefault(lo, [0, 0])
+    for shape in shapes:
+        batch = shape_batch(shape, rng)
+        reference = output_bits(forward(batch, configured).outputs)
+        tally = result.by_range.setdefault(size_range(batch.padded_tokens)[0], [0, 0])
         for n in counts:
             if n == configured:
                 continue
-            out = forward(batch, n).outputs
+            out = output_bits(forward(batch, n).outputs)
             result.comparisons += 1
             tally[0] += 1
-            if not np.array_equal(output_bits(out), output_bits(reference)):
+            if not np.array_equal(out, reference):
                 result.mismatches += 1
                 tally[1] += 1
                 if result.first_mismatch is None:
-                    at = np.argwhere(output_bits(out) != output_bits(reference))[0]
+                    at = tuple(np.argwhere(out != reference)[0])
                     result.first_mismatch = {
-                        "padded_tokens": batch.padded_tokens, "rows": batch.rows,
-                        "threads": (configured, n), "first_index": at.tolist(),
-                        "values": (float(reference[tuple(at)]), float(out[tuple(at)]))}
+                        "rows": shape[0], "padded_length": shape[1],
+                        "padded_tokens": batch.padded_tokens, "threads": [configured, n],
+                        "first_index": [int(i) for i in at],
+                        "values": [float(np.asarray(a).view(np.float32))
+                                   for a in (reference[at], out[at])]}
+        result.shapes += 1
         if progress is not None:
-            progress(i + 1, len(batches), result)
+            progress(result, len(shapes))
     return result

@@ -6,8 +6,11 @@ import argparse
 import json
 import os
 import sys
+import time
+from dataclasses import asdict
 
 from vllm_srun.runtime.artifact import DEFAULT_MODEL
+from vllm_srun.runtime.calibrate import CPU_CAP
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.types import BackendName
 
@@ -16,8 +19,9 @@ def add_threads_commands(sub, add_threads_flags) -> None:
     threads = sub.add_parser("threads", help="what adaptive threads learned on this host")
     tsub = threads.add_subparsers(dest="threads_command", required=True)
     verify = tsub.add_parser(
-        "verify", help="sweep inputs across every size range and allowed count and record "
-                       "whether all answers were bit-identical (the voucher mode 2 needs)")
+        "verify", help="sweep every forward shape the engine can run (rows x padded length) at "
+                       "every allowed count and record whether all answers were bit-identical "
+                       "and what was covered (the voucher mode 2 needs)")
     reset = tsub.add_parser("reset", help="forget drift, learned counts and timings for this "
                                           "host, model revision and backend")
     for p in (verify, reset):
@@ -29,11 +33,35 @@ def add_threads_commands(sub, add_threads_flags) -> None:
         add_threads_flags(p)
     verify.add_argument("--threads", type=int, default=None,
                         help="the configured count answers are compared against")
+    verify.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=32,
+                        help="rows per forward to cover (the workers' max_num_seqs; default 32)")
+    verify.add_argument("--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"),
+                        default=CPU_CAP, help="padded tokens per forward to cover (the workers' "
+                        f"max_num_batched_tokens; default {CPU_CAP}, the most a CPU worker "
+                        "calibrates)")
+    verify.add_argument("--min-tokens", type=_positive("--min-tokens"), default=2,
+                        help="shortest padded length to cover (default 2: any input); shorter "
+                             "forwards stay at the configured count in mode 2")
+    verify.add_argument("--max-tokens", type=_positive("--max-tokens"), default=None,
+                        help="longest padded length to cover (default: the model's limit); "
+                             "longer forwards stay at the configured count in mode 2")
     report = tsub.add_parser("report", help="per size range: served count, each count's "
                                             "median/p90 forward time, learned count, state")
     report.add_argument("--record", default=None, help="host record file")
     report.add_argument("--json", action="store_true", help="print JSON")
     report.add_argument("--plot", default=None, metavar="PNG", help="also write a plot")
+
+
+def _positive(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, not {text!r}")
+        return value
+    return parse
 
 
 def _ensure_cbwr(args: argparse.Namespace) -> None:
@@ -73,41 +101,67 @@ def _verify(args: argparse.Namespace) -> int:
     from vllm_srun.runtime.threads import ThreadContext
     from vllm_srun.server.worker.assembly import scope_for
     from vllm_srun.tuner.modes import allowed_counts, max_threads
-    from vllm_srun.tuner.verify import sweep, sweep_batches
+    from vllm_srun.tuner.report import coverage_text
+    from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
     budget = cpu_budget()
     configured = configured_threads(budget, args.threads)
     counts = allowed_counts(configured, budget, max_threads(budget, args.max_threads))
     manifest = resolve(args.model)
+    longest = args.max_tokens or manifest.max_tokens
+    if longest > manifest.max_tokens:
+        raise ConfigError(f"--max-tokens {longest} is above {manifest.name}'s limit of "
+                          f"{manifest.max_tokens} tokens")
+    try:
+        bounds = ShapeBounds(args.max_num_seqs, longest, args.max_num_batched_tokens,
+                             args.min_tokens)
+    except ValueError as exc:
+        raise ConfigError(f"threads verify: {exc}".replace("min_len", "--min-tokens")
+                          .replace("max_len", "--max-tokens")) from exc
+    plan = plan_sweep(bounds)
+    coverage = plan.coverage(counts)
+    if len(counts) < 2:
+        print(f"only one allowed count {list(counts)}: nothing to compare, no voucher "
+              "(allow more with --max-threads)")
+        return 1
     backend = load_backend(manifest, args.backend)
     scope = scope_for(manifest, backend, budget)
     record = _open(args)
     context = ThreadContext()
-    batches = sweep_batches(manifest.max_tokens)
-    print(f"verify: {manifest.name} rev {manifest.revision} backend {args.backend}, "
-          f"{len(batches)} batches, counts {list(counts)} against {configured}", file=sys.stderr)
+    total_tokens = sum(r * n for r, n in plan.shapes)
+    print(f"verify: {manifest.name} rev {manifest.revision} backend {args.backend}, counts "
+          f"{list(counts)} against {configured}; {len(plan.shapes)} shapes "
+          f"({total_tokens} padded tokens per count): "
+          f"{coverage_text(asdict(coverage))}", file=sys.stderr)
+    started = last = time.monotonic()
 
-    def progress(done: int, total: int, res) -> None:
-        if done % 5 == 0 or done == total:
-            print(f"verify: {done}/{total} batches, {res.comparisons} comparisons, "
-                  f"{res.mismatches} mismatches", file=sys.stderr)
+    def progress(res, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= 2 or res.shapes == total:
+            last = now
+            print(f"verify: {res.shapes}/{total} shapes, {res.comparisons} comparisons, "
+                  f"{res.mismatches} mismatches, {now - started:.0f} s", file=sys.stderr,
+                  flush=True)
 
     try:
         result = sweep(lambda b, n: context.run(n, lambda: backend.forward(b, n)), configured,
-                       counts, batches, progress)
+                       counts, plan.shapes, progress=progress)
     finally:
         context.shutdown()
-    record.add_voucher(scope, "verify", result.comparisons, result.mismatches)
-    print(f"{'range':>10}  {'comparisons':>11}  {'mismatches':>10}")
+    if result.comparisons == 0:
+        print("nothing compared: no voucher recorded")
+        return 1
+    record.add_voucher(scope, "verify", result.comparisons, result.mismatches, coverage)
+    print(f"{'range':>12}  {'comparisons':>11}  {'mismatches':>10}")
     for lo in sorted(result.by_range):
         c, bad = result.by_range[lo]
-        print(f"{f'{lo}-{2 * lo - 1}':>10}  {c:>11}  {bad:>10}")
-    if result.comparisons == 0:
-        print("only one allowed count: nothing compared, no voucher (use --max-threads)")
-        return 1
+        print(f"{f'{lo}-{2 * lo - 1}':>12}  {c:>11}  {bad:>10}")
+    print(f"covered: counts {list(coverage.counts)}; {coverage_text(asdict(coverage))}")
     if result.mismatches:
         print(f"NOT bit-identical across counts: {result.mismatches} of {result.comparisons} "
-              f"comparisons differ; first: {json.dumps(result.first_mismatch)}")
+              f"comparisons differ; first: {json.dumps(result.first_mismatch)}; mode 2 will "
+              "not serve learned counts for this scope until `vllm-srun threads reset`")
         return 1
     print(f"bit-identical across counts {list(counts)} in all {result.comparisons} comparisons; "
           f"voucher recorded for host {scope.fingerprint} in {record.path}")
@@ -160,5 +214,6 @@ def _reset(args: argparse.Namespace) -> int:
     scope = Scope(fingerprint, manifest.revision, args.backend)
     _open(args).reset(scope)
     print(f"reset learning for host {fingerprint}, {manifest.name} rev {manifest.revision}, "
-          f"backend {args.backend}")
+          f"backend {args.backend}: drift, learned counts and timings forgotten, vouchers "
+          "retired (run `vllm-srun threads verify` again before mode 2 serves learned counts)")
     return 0

@@ -194,7 +194,7 @@ class Pool:
         spec = self._worker_spec(dep, r.device)
         if dep.shorthand:
             return LocalReplica(rid, r.device, account, expected, *common,
-                                worker=Worker(spec, manifest),
+                                worker=Worker(spec, manifest, replica_id=rid),
                                 on_load_failure=self.on_load_failure)
         self._socket_n += 1
         return ProcessReplica(rid, r.device, account, expected, *common,

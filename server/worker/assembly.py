@@ -5,6 +5,7 @@ and, for the one-worker shorthand, in the front end's process."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,8 +49,10 @@ class Worker:
     """Builds and starts the Runner of a spec; keeps the tuner for reports."""
 
     def __init__(self, spec: WorkerSpec, manifest: Manifest | None = None,
-                 wrap_backend: Callable[[Backend], Backend] | None = None) -> None:
+                 wrap_backend: Callable[[Backend], Backend] | None = None,
+                 replica_id: str | None = None) -> None:
         self.spec = spec
+        self.replica_id = replica_id
         self.wrap_backend = wrap_backend
         self.manifest = manifest or resolve(spec.model)
         self.tuner: AdaptiveThreads | None = None
@@ -86,7 +89,9 @@ class Worker:
         shadow_forward, close_shadows = shadow_process(manifest, backend.name.value)
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
                                 runner.engine.forward_batch, spec.settings,
-                                shadow_forward=shadow_forward, on_close=close_shadows)
+                                shadow_forward=shadow_forward, on_close=close_shadows,
+                                worker=(f"replica {self.replica_id} " if self.replica_id
+                                        else "") + f"pid {os.getpid()}")
         tuner.record_error = tuner.record_error or error
         runner.engine.threads = tuner
         self.tuner = tuner

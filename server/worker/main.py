@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None, wrap_backend=None) -> int:
         die_with_parent(args.parent_pid)
     import uvicorn
 
-    worker = Worker(WorkerSpec.from_json(args.spec), wrap_backend=wrap_backend)
+    worker = Worker(WorkerSpec.from_json(args.spec), wrap_backend=wrap_backend,
+                    replica_id=args.replica_id)
     loaded, metrics = Loaded(), WorkerMetrics(args.replica_id)
     sock = _owner_only_socket(args.socket)
     _load_in_background(worker, loaded, metrics)
