@@ -7,6 +7,11 @@ server is measured at 1 and 16 closed-loop connections with unique mixed bodies 
 queries, 25% passages, 5% long).
 
     python -m bench.adaptive_wrk [--model all-MiniLM-L6-v2] [--seconds 15] [--learn-bursts 10]
+                                 [--max-num-batched-tokens 512]
+
+Every server runs with the same ``--max-num-batched-tokens`` (and ``--max-num-seqs 32``), and
+``threads verify`` sweeps exactly those shapes, so mode 2's voucher covers every forward the
+servers can run (the default bounds sweep thousands of shapes: minutes).
 """
 
 from __future__ import annotations
@@ -96,16 +101,21 @@ def main() -> None:
     p.add_argument("--model", default="all-MiniLM-L6-v2")
     p.add_argument("--seconds", type=float, default=15)
     p.add_argument("--learn-bursts", type=int, default=10)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = p.parse_args()
+    limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
+              str(args.max_num_batched_tokens)]
     tmp = Path(tempfile.mkdtemp(prefix="adaptive-wrk-"))
     script = tmp / "mixed.lua"
     script.write_text(LUA.replace("MODEL", args.model))
     record = str(tmp / "record.sqlite")
     subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify",
-                    args.model, "--record", record], check=True, capture_output=True)
-    servers = {"fixed 1 (default)": ([], {}), "fixed 2": (["--threads", "2"], {}),
-               "mode 1": (["--record", record], {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"}),
-               "mode 2": (["--record", record], {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "2"})}
+                    args.model, "--record", record, *limits], check=True, capture_output=True)
+    servers = {"fixed 1 (default)": (limits, {}), "fixed 2": (["--threads", "2", *limits], {}),
+               "mode 1": (["--record", record, *limits],
+                          {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"}),
+               "mode 2": (["--record", record, *limits],
+                          {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "2"})}
     rows = []
     for name, (flags, env) in servers.items():
         server = Server(args.model, flags, env)
