@@ -78,8 +78,11 @@ class ServerState:
         return ok, reason
 
 
-def create_app(state: ServerState):
-    """The ASGI app: API key check, then the admission gate, then FastAPI's routes."""
+def create_app(state: ServerState, gate: bool = True):
+    """The ASGI app: API key check, then the admission gate, then FastAPI's routes.
+    ``gate=False`` where the HTTP protocol refuses overload already (``vllm-srun serve``):
+    checking again per request would only cost time; a request the protocol let through
+    (pipelined behind another) still gets its 429 from the pool."""
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await state.start()
@@ -94,7 +97,7 @@ def create_app(state: ServerState):
     app.state.server = state
     app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    gated = state.admission.gate(app)
+    gated = state.admission.gate(app) if gate else app
     if state.guard is None:
         return gated
     state.guard.app = gated

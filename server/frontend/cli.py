@@ -237,7 +237,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
                         on_load_failure, (lambda: config_from_args(args)) if args.config
                         else None)
     server = uvicorn.Server(uvicorn.Config(
-        create_app(state), log_level="warning", access_log=False,
+        create_app(state, gate=False), log_level="warning", access_log=False,
         http=state.admission.protocol(), loop="uvloop", timeout_graceful_shutdown=5))
     server_box.append(server)
     bound = config.deployments[config.bound]

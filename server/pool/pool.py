@@ -217,8 +217,9 @@ class Pool:
                                               list[Replica]]:
         """The pool for ``config`` as :func:`plan.plan` decides it: (deployments, fresh
         replicas to start, retired replicas)."""
-        old = {name: (_shape(d.config), [(r.id, _shape(d.config).placements[i])
-                                         for i, r in enumerate(d.replicas)])
+        shapes = {name: _shape(d.config) for name, d in self.deployments.items()}
+        old = {name: (shapes[name], list(zip((r.id for r in d.replicas),
+                                             shapes[name].placements, strict=True)))
                for name, d in self.deployments.items()}
         chosen = planning.plan(old, {n: _shape(d) for n, d in config.deployments.items()})
         by_id = {r.id: (d, r) for d in self.deployments.values() for r in d.replicas}
