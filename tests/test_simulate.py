@@ -20,9 +20,11 @@ SIZES = [16, 16, 64, 256, 1024]
 
 
 def changes(outcome, trace, size: int) -> list[tuple[float, int]]:
-    """(time, new count) each time the served count of forwards of ``size`` changed."""
-    picked = [(at, n) for at, n, a in zip(outcome.at_s, outcome.served_threads, trace,
-                                          strict=True) if a.padded_tokens == size]
+    """(time, new count) each time the served count of forwards of ``size`` changed; mode
+    2's exploring forwards (served at a count to time it) aside."""
+    picked = [(at, n) for at, n, a, explored in zip(outcome.at_s, outcome.served_threads,
+                                                    trace, outcome.explored, strict=True)
+              if a.padded_tokens == size and not explored]
     return [(at, n) for (at, n), (_, prev) in zip(picked[1:], picked[:-1], strict=True)
             if n != prev]
 
@@ -71,10 +73,10 @@ def test_a_neighbour_is_tracked_within_180_s_of_arriving_and_of_leaving(seed):
     threads alone and 2 beside it (the served count slows by more than the 2x relearning
     factor); short ones want 2 throughout. A neighbour that costs the served count less than
     the factor is not tracked (seen with 12 of 16 cores taken and 8 threads served: 1.5x).
-    Measured (seeds 1-3, 12 forwards/s, a fifth of them long): the slowdown is seen within
-    ~10 s, but relearning takes 62-139 s beside the neighbour (slow counts' shadows rarely fit
-    between served forwards and overlapped ones are not timed) and 85-130 s after it left
-    (probes at the other counts come every 8th forward of the range, 6 per check)."""
+    Measured (seeds 1-3, 12 forwards/s, a fifth of them long): settled 33-38 s after it
+    arrived (its slowdown is seen within ~5 s; slow counts' shadows overlap served forwards,
+    so the range then times its own served forwards at each count) and 119-133 s after it
+    left (probes at the other counts come every 8th forward of the range, 6 per check)."""
     model = TimeModel(16)
     trace = poisson_trace(12, 900, SIZES, seed=seed)
     outcome = SimulatedHost(model, [Neighbour(14, 300, 600)], seed=seed).run(trace)
@@ -82,21 +84,21 @@ def test_a_neighbour_is_tracked_within_180_s_of_arriving_and_of_leaving(seed):
     before = settled_s(model, outcome, trace, 1024, 150, 300, 16)
     beside = settled_s(model, outcome, trace, 1024, 300, 600, 2)
     after = settled_s(model, outcome, trace, 1024, 600, 900, 16)
-    assert before == 0.0 and beside <= 180 and after <= 180, (beside, after)
+    assert before == 0.0 and beside <= 60 and after <= 180, (beside, after)
     for start, end, free in ((150, 300, 16), (300, 600, 2), (600, 900, 16)):
         assert settled_s(model, outcome, trace, 16, start, end, free) == 0.0  # short: kept
 
 
 @pytest.mark.parametrize("seed", [10, 20, 30])
-@pytest.mark.parametrize(("cores", "taken", "latency_gain"), [(16, 12, 1.0), (64, 60, 0.95),
-                                                              (4, 3, 1.1)])
+@pytest.mark.parametrize(("cores", "taken", "latency_gain"), [(16, 12, 1.04), (64, 60, 1.03),
+                                                              (4, 3, 1.15)])
 def test_on_a_shifting_load_adaptive_beats_every_fixed_count(cores, taken, latency_gain, seed):
     """Mean served forward time of mode 2 against every fixed allowed count on the same
-    trace, and mean latency (queueing included) where stated. Measured, over the 3 seeds:
-    16 cores 1.02-1.07x faster forwards, latency 1.01-1.09x; 64 cores 1.02-1.04x faster
-    forwards but latency 0.965-0.99x of fixed 4 (it queues at the configured 16 while it
-    relearns beside the neighbour); 4 cores (a quarter of the traffic) 1.24-1.28x forwards,
-    1.22-1.27x latency."""
+    trace, and mean latency (queueing included). Measured, over the 3 seeds: 16 cores
+    1.06-1.07x faster forwards, latency 1.065-1.08x; 64 cores 1.06x forwards, latency
+    1.045-1.07x (before served forwards timed themselves under load: 0.965-0.99x, queueing
+    at the configured 16 while shadows beside the neighbour kept overlapping); 4 cores (a
+    quarter of the traffic) 1.22-1.28x forwards, 1.20-1.27x latency."""
     model, neighbours = TimeModel(cores), [Neighbour(taken, 300, 600)]
     trace = shifting_trace(seed)
     if cores == 4:  # a 4-core host takes a quarter of the traffic
@@ -108,9 +110,8 @@ def test_on_a_shifting_load_adaptive_beats_every_fixed_count(cores, taken, laten
     latency = min(f.mean_latency_ms for f in fixed.values()) / adaptive.mean_latency_ms
     print(f"cores {cores} seed {seed}: forwards {served:.3f}x, latency {latency:.3f}x of the "
           f"best fixed count")
-    assert served >= 1.01, {n: np.mean(f.served_ms) for n, f in fixed.items()}
-    if latency_gain is not None:
-        assert latency >= latency_gain
+    assert served >= 1.05, {n: np.mean(f.served_ms) for n, f in fixed.items()}
+    assert latency >= latency_gain
 
 
 @pytest.mark.parametrize(("serial", "speedup"), [(0.25, 3.0), (0.07, 6.0)])

@@ -80,6 +80,7 @@ class TunerSettings:
     max_samples: int = 48  # recent samples per count per range that decisions rest on
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
+    explore_after: int = 3  # mode 2: shadows of a range overlapped this often: explore served
 
 
 @dataclass
@@ -96,6 +97,8 @@ class RangeLearning:
     # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
     baselines: dict[tuple[int, str], float] = field(default_factory=dict)
     recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    overlapped: int = 0  # shadows of this range a served forward overlapped since a clean one
+    explore_served: bool = False  # mode 2 under load: its own served forwards are the samples
 
 
 @dataclass
@@ -120,13 +123,15 @@ class AdaptiveThreads:
                  clock: Callable[[], float] = time.monotonic,
                  shadow_forward: Forward | None = None,
                  on_close: Callable[[], None] | None = None,
-                 worker: str | None = None) -> None:
+                 worker: str | None = None,
+                 pause_shadows: Callable[[bool], None] | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.scope, self.record, self.forward = scope, record, forward
         self.shadow_forward = shadow_forward or forward
         self.settings = settings or TunerSettings()
         self.clock = clock
         self.on_close = on_close
+        self.pause_shadows = pause_shadows  # freezes (True) and thaws the shadow side
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.locked_reason: str | None = "golden check has not run"
         self.record_error: str | None = None
@@ -140,6 +145,14 @@ class AdaptiveThreads:
         self._jobs: dict[int, _Job] = {}
         self._busy = 0  # served forwards running now
         self._epoch = 0  # served forwards started plus ended
+        self._shadowing = 0  # shadow forwards running now
+        self._shadow_epoch = 0  # shadow forwards started plus ended
+        # served forwards timed as samples: id(batch) -> (it froze the shadow side, no shadow
+        # could run at its start, shadow epoch then)
+        self._timed: dict[int, tuple[bool, bool, int]] = {}
+        self._paused = 0  # served forwards running with the shadow side frozen
+        self.served_samples = 0  # samples taken from served forwards
+        self.explored = 0  # mode 2: forwards served at a vouched count to time it
         self._shadow_s = 0.0
         self._started = clock()
         self._last_flush = clock()
@@ -218,6 +231,10 @@ class AdaptiveThreads:
                     r.serving, r.keep_serving = False, None
 
     def close(self) -> None:
+        if self.pause_shadows is not None:
+            with self.lock:
+                self._paused = 0
+                self.pause_shadows(False)
         if self._record_watch is not None:
             self._record_watch.stop()
             self._record_watch = None
@@ -273,16 +290,44 @@ class AdaptiveThreads:
 
     # -- ThreadsPolicy ---------------------------------------------------------------------
     def served_threads(self, batch: TokenBatch) -> int:
-        """The count for a served forward about to start (it counts as running from now)."""
+        """The count for a served forward about to start (it counts as running from now).
+        A forward of a range still exploring is timed as a sample: the shadow side is frozen
+        for it (``pause_shadows``), or else its time counts only if no shadow overlapped it.
+        Mode 2, a range whose shadows load keeps overlapping: a count it still lacks samples
+        for, in turn, where the voucher covers it (the answer is the same at every vouched
+        count, R4.8)."""
         with self.lock:
             self._busy += 1
             self._epoch += 1
-            n = self._serving_count(size_range(batch.padded_tokens)[0])
+            lo = size_range(batch.padded_tokens)[0]
+            n = self._serving_count(lo)
+            r = self.ranges.get(lo)
+            if r is not None and r.learned is None and self.locked_reason is None \
+                    and self.retired is None:
+                if r.explore_served and self.mode is AdaptiveMode.SERVE:
+                    n = self._explore_count(r, n)
+                paused = self.pause_shadows is not None
+                if paused:
+                    self._paused += 1
+                    self.pause_shadows(True)
+                self._timed[id(batch)] = (paused, paused or not self._shadowing,
+                                          self._shadow_epoch)
             if n != self.configured and not self.voucher.covers(
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
                 self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
                 return self.configured
+            if n != self._serving_count(lo):
+                self.explored += 1
             return n
+
+    def _explore_count(self, r: RangeLearning, serving: int) -> int:
+        """The count with the fewest samples among those a range still needs (ties: the one
+        nearest the count it serves), or ``serving`` when none is needed."""
+        need = counts_needing_samples(r.samples, self.counts, self.settings.min_samples)
+        if not need:
+            return serving
+        return min(need, key=lambda n: (len(r.samples.get(n, ())),
+                                        abs(n.bit_length() - serving.bit_length()), n))
 
     def _serving_count(self, lo: int) -> int:
         r = self.ranges.get(lo)
@@ -297,6 +342,11 @@ class AdaptiveThreads:
         with self.lock:
             self._busy = max(0, self._busy - 1)
             self._epoch += 1
+            timed = self._timed.pop(id(batch), None)
+            if timed is not None and timed[0]:
+                self._paused -= 1
+                if not self._paused:
+                    self.pause_shadows(False)
             self.lock.notify_all()
             if result is None or self.locked_reason is not None or self.retired is not None:
                 return
@@ -307,6 +357,13 @@ class AdaptiveThreads:
                 self._watch(lo, r, (result.num_threads, "served"),
                             result.forward_s * 1000 / batch.padded_tokens, s.relearn_window)
                 r = self.ranges[lo]
+            elif timed is not None and (timed[1] and timed[2] == self._shadow_epoch):
+                self.served_samples += 1  # no shadow ran beside it: a clean sample
+                self._sample(lo, r, result.num_threads, result.forward_s * 1000,
+                             batch.padded_tokens)
+                r = self.ranges[lo]
+                if r.learned is not None:
+                    self._maybe_serve(lo, r)
             if r.learned is not None:
                 r.served_at_learned += 1
             need = counts_needing_samples(r.samples, self.counts, s.min_samples) \
@@ -314,8 +371,13 @@ class AdaptiveThreads:
             window_due = (self.mode is AdaptiveMode.SERVE and not r.serving
                           and r.learned not in (None, self.configured)
                           and self.voucher.covers_counts(r.learned, self.configured))
-            counts = shadow_plan(need, window_due, r.learned, result.num_threads, self.counts,
-                                 r.served_at_learned, s.audit_every)
+            counts = shadow_plan(need, window_due, r.learned, result.num_threads,
+                                 self.counts, r.served_at_learned, s.audit_every)
+            if r.learned is None and result.num_threads != self.configured:
+                # served at another count while exploring: audit its answer at the
+                # configured one (only that, where served forwards are the samples)
+                counts = [self.configured] + ([] if r.explore_served else [
+                    n for n in counts if n != self.configured])
             if counts:
                 self._jobs.pop(lo, None)  # the newest batch of a range goes to the back
                 self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
@@ -338,8 +400,15 @@ class AdaptiveThreads:
             job = self._jobs[lo]
             count = job.counts[0]
             epoch = self._epoch
+            self._shadowing += 1
+            self._shadow_epoch += 1
         began = self.clock()
-        result = self.shadow_forward(job.batch, count)
+        try:
+            result = self.shadow_forward(job.batch, count)
+        finally:
+            with self.lock:
+                self._shadowing -= 1
+                self._shadow_epoch += 1
         with self.lock:
             self._shadow_s += self.clock() - began  # wall time, whatever the forward reports
             self._after_shadow(lo, job, count, result, clean_window(0, epoch, self._epoch))
@@ -358,9 +427,16 @@ class AdaptiveThreads:
             self.audits += 1
         r = self.ranges.setdefault(lo, RangeLearning())
         if clean:
+            r.overlapped = 0
             self._sample(lo, r, count, result.forward_s * 1000, job.batch.padded_tokens)
         else:
             self.discarded += 1
+            r.overlapped += 1
+            if r.learned is None and not r.explore_served and \
+                    r.overlapped >= self.settings.explore_after:
+                r.explore_served = True  # load leaves no gap: time its own forwards
+                log.info("threads_explore_served range=%d-%d overlapped=%d mode=%d", lo,
+                         2 * lo - 1, r.overlapped, self.mode)
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)
@@ -369,8 +445,9 @@ class AdaptiveThreads:
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
         if not job.counts and self._jobs.get(lo) is job:
             del self._jobs[lo]
-        if count == r.learned and count != job.served_threads:
-            r.streak += 1
+        if (count == r.learned != job.served_threads
+                or job.served_threads == r.learned != self.configured == count):
+            r.streak += 1  # served at one, shadowed at the other: they agreed
             self._dirty_learned.add(lo)
         self._maybe_serve(lo, r)
 
@@ -392,7 +469,9 @@ class AdaptiveThreads:
         if new is None:
             return
         r.learned, r.streak, r.serving, r.relearning = new, 0, False, False
-        if new == self.configured or self.mode is not AdaptiveMode.SERVE:
+        if new == r.keep_serving:  # relearnt the count it went on serving: verified already
+            r.serving = True
+        if new == self.configured or r.serving or self.mode is not AdaptiveMode.SERVE:
             r.keep_serving = None
         r.baselines = {(n, "shadow"): float(np.median(v)) for n, v in r.per_token.items()}
         r.recent = {}
@@ -434,7 +513,8 @@ class AdaptiveThreads:
                      lo, 2 * lo - 1, key[0], key[1], float(np.median(recent)) / baseline)
             keep = r.learned if r.serving and key[1] == "shadow" else None  # not if it slowed
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
-                                            keep_serving=keep)
+                                            keep_serving=keep,
+                                            explore_served=r.explore_served)
             self._jobs.pop(lo, None)
 
     def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:

@@ -19,12 +19,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
+import signal
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm_srun.runtime.backend import Backend, load_backend
 from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.runtime.lifetime import die_with_parent
 from vllm_srun.runtime.threads import ThreadContext, make_process_idle
 from vllm_srun.runtime.types import ForwardResult, Manifest, TokenBatch
 
@@ -52,7 +55,8 @@ class ShadowProcess:
     def __init__(self, manifest: Manifest, backend: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve_shadows, args=(child, manifest, backend),
+        self.process = ctx.Process(target=_serve_shadows,
+                                   args=(child, manifest, backend, os.getpid()),
                                    name="vllm-srun-shadows", daemon=True)
         self.process.start()
         child.close()
@@ -69,7 +73,14 @@ class ShadowProcess:
             raise RuntimeFault(f"shadow forward failed: {payload}")
         return ForwardResult(*payload)
 
+    def pause(self, frozen: bool) -> None:
+        """Freeze the child (SIGSTOP) while a served forward that is timed runs, and thaw it
+        (SIGCONT) after: a shadow then takes no CPU, cache or memory bandwidth from it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def close(self) -> None:
+        self.pause(False)
         with self._lock, contextlib.suppress(OSError):
             self._conn.send(None)
         self.process.join(timeout=10)
@@ -79,7 +90,8 @@ class ShadowProcess:
         self._conn.close()
 
 
-def _serve_shadows(conn, manifest: Manifest, backend_name: str) -> None:
+def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int) -> None:
+    die_with_parent(parent, signal.SIGKILL)  # SIGKILL: even while frozen
     make_process_idle()  # every thread made from here on inherits it
     backend = load_backend(manifest, backend_name)
     context = ThreadContext()

@@ -68,6 +68,7 @@ class Outcome:
     served_ms: list[float] = field(default_factory=list)  # per forward, in order
     latency_ms: list[float] = field(default_factory=list)  # queueing plus forward
     served_threads: list[int] = field(default_factory=list)
+    explored: list[bool] = field(default_factory=list)  # served at a count to time it
     at_s: list[float] = field(default_factory=list)  # when each forward started
     learned_at: dict[int, int] = field(default_factory=dict)  # range -> forwards seen there
     relearns: int = 0
@@ -100,7 +101,8 @@ class SimulatedHost:
         self.now_s = 0.0
         self._rng = np.random.default_rng(seed)
         self._next: Arrival | None = None
-        self._early: int | None = None  # a served forward that started during a shadow
+        # a served forward that started during a shadow, and its count
+        self._early: tuple[TokenBatch, int, bool] | None = None
         self.configured = configured or max(1, min(16, model.cores // 2))  # default: R2.3
         self.counts = allowed_counts(self.configured, model.cores)
         self.tuner: AdaptiveThreads | None = None
@@ -133,7 +135,9 @@ class SimulatedHost:
         nxt = self._next
         if nxt is not None and end_s > nxt.at_s and self._early is None:
             self.now_s = max(self.now_s, nxt.at_s)
-            self._early = self.tuner.served_threads(_batch(nxt.padded_tokens))
+            served, explored = _batch(nxt.padded_tokens), self.tuner.explored
+            self._early = (served, self.tuner.served_threads(served),
+                           self.tuner.explored > explored)
         else:
             self.now_s = end_s
         return ForwardResult(_outputs(batch.padded_tokens), n, n, ms / 1000)
@@ -149,17 +153,21 @@ class SimulatedHost:
                     break
             start_s = max(self.now_s, arrival.at_s)
             batch = _batch(arrival.padded_tokens)
+            explored = False
             if tuner is None:
                 n = self.fixed
             elif self._early is not None:
-                n, self._early = self._early, None
+                (batch, n, explored), self._early = self._early, None
             else:
+                before = tuner.explored
                 n = tuner.served_threads(batch)
+                explored = tuner.explored > before
             ms = self._ms(arrival.padded_tokens, n, start_s)
             self.now_s = start_s + ms / 1000
             out.served_ms.append(ms)
             out.latency_ms.append((self.now_s - arrival.at_s) * 1000)
             out.served_threads.append(n)
+            out.explored.append(explored)
             out.at_s.append(start_s)
             if tuner is not None:
                 tuner.observe(batch, ForwardResult(_outputs(arrival.padded_tokens), n, n,

@@ -23,7 +23,7 @@ from vllm_srun.tuner.adaptive import AdaptiveThreads
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
 from vllm_srun.tuner.report import build, from_tuner
-from vllm_srun.tuner.shadows import shadow_process
+from vllm_srun.tuner.shadows import ShadowProcess
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +86,11 @@ class Worker:
             except HostRecordError as exc:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
-        shadow_forward, close_shadows = shadow_process(manifest, backend.name.value)
+        shadows = ShadowProcess(manifest, backend.name.value)
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
                                 runner.engine.forward_batch, spec.settings,
-                                shadow_forward=shadow_forward, on_close=close_shadows,
+                                shadow_forward=shadows.forward, on_close=shadows.close,
+                                pause_shadows=shadows.pause,
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")
         tuner.record_error = tuner.record_error or error

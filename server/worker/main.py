@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -32,6 +31,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.runtime.lifetime import die_with_parent
 from vllm_srun.runtime.runner import Runner
 from vllm_srun.server.worker import protocol
 from vllm_srun.server.worker.assembly import Worker
@@ -49,19 +49,6 @@ class Loaded:
     runner: Runner | None = None
     reason: str = "loading"
     done: threading.Event = field(default_factory=threading.Event)
-
-
-def die_with_parent(parent: int) -> None:
-    """Exit when the front end that started this worker dies, even by SIGKILL (Linux
-    PR_SET_PDEATHSIG), so no worker outlives its pool."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # it died before the request took effect
-        os._exit(0)
 
 
 def _json(payload: object, status: int = 200) -> Response:
