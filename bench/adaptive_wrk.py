@@ -12,6 +12,9 @@ queries, 25% passages, 5% long).
 Every server runs with the same ``--max-num-batched-tokens`` (and ``--max-num-seqs 32``), and
 ``threads verify`` sweeps exactly those shapes, so mode 2's voucher covers every forward the
 servers can run (the default bounds sweep thousands of shapes: minutes).
+
+The pieces are shared with ``bench.adaptive_load`` (Poisson levels, a per-class oracle, a
+neighbour): the wrk Lua script, the wrk runner, the server, the learning phase.
 """
 
 from __future__ import annotations
@@ -22,15 +25,22 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
+LEARNING = "VLLM_SRUN_CPU_ADAPTIVE_THREADS"
+# Length classes: (name, share of requests, words per body).
+MIX = (("short", 0.70, 6), ("passage", 0.25, 40), ("long", 0.05, 150))
+
 LUA = r"""
 local words = {"the","search","query","result","vector","model","server","thread","input",
   "token","embedding","latency","throughput","request","answer","system","memory","batch",
   "length","short","long","kernel","host","python","record","cache","route","worker"}
+local classes = CLASSES  -- {cumulative share, words}
+local think_ms = THINK_MS  -- mean exponential think time before each request, or nil
 local n_threads = 0
 function setup(thread)
   n_threads = n_threads + 1
@@ -40,34 +50,96 @@ local counter = 0
 function init(args)
   math.randomseed(os.time() * 1000 + tid)
 end
+if think_ms then
+  function delay() return -math.log(1 - math.random()) * think_ms end
+end
 request = function()
   counter = counter + 1
-  local u = math.random()
-  local n = 6
-  if u > 0.95 then n = 150 elseif u > 0.70 then n = 40 end
+  local u, n = math.random(), classes[#classes][2]
+  for _, c in ipairs(classes) do
+    if u < c[1] then n = c[2]; break end
+  end
   local parts = {"t" .. tid .. "r" .. counter .. "s" .. math.random(1000000)}
   for i = 1, n do parts[#parts + 1] = words[math.random(#words)] end
   local body = '{"model":"MODEL","input":["' .. table.concat(parts, " ") .. '"]}'
   return wrk.format("POST", "/v1/embeddings", {["Content-Type"] = "application/json"}, body)
 end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT requests=%d us=%d mean_us=%.1f p50_us=%.0f p99_us=%.0f "
+    .. "non2xx=%d errors=%d\n", summary.requests, summary.duration, latency.mean,
+    latency:percentile(50), latency:percentile(99), e.status,
+    e.connect + e.read + e.write + e.timeout))
+end
 """
 
 
+def lua(model: str, mix=MIX, think_ms: float | None = None) -> str:
+    """A wrk script: unique bodies (thread id, counter, random number) of the mix's lengths;
+    with ``think_ms``, each connection waits an exponential time of that mean before each
+    request (wrk's ``delay()``)."""
+    total, cum, classes = sum(share for _, share, _ in mix), 0.0, []
+    for _, share, words in mix:
+        cum += share / total
+        classes.append(f"{{{cum:.6f}, {words}}}")
+    classes[-1] = f"{{2, {mix[-1][2]}}}"  # the last class takes whatever rounding left
+    return (LUA.replace("CLASSES", "{" + ", ".join(classes) + "}", 1)
+            .replace("THINK_MS", "nil" if think_ms is None else f"{think_ms:.3f}", 1)
+            .replace("MODEL", model))
+
+
 def wrk(url: str, script: str, connections: int, seconds: float) -> dict:
-    out = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections),
-                          "-d", f"{seconds:.0f}s", "--latency", "-s", script, url],
-                         capture_output=True, text=True, timeout=seconds + 60).stdout
+    """One wrk run: req/s (all completed responses), mean/p50/p99 ms, non-2xx, socket errors."""
+    proc = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections),
+                           "-d", f"{max(1, round(seconds))}s", "--timeout", "30s", "-s", script,
+                           url], capture_output=True, text=True, timeout=seconds + 90)
+    m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
+    if not m:
+        print(f"wrk gave no result (rc {proc.returncode}): {proc.stderr.strip()[-300:]}",
+              file=sys.stderr, flush=True)
+        return {"rps": float("nan"), "mean_ms": float("nan"), "p50_ms": float("nan"),
+                "p99_ms": float("nan"), "non_2xx": 0, "errors": 0, "requests": 0}
+    r = {k: float(v) for k, v in re.findall(r"(\w+)=(\S+)", m[1])}
+    return {"rps": r["requests"] / r["us"] * 1e6 if r["us"] else float("nan"),
+            "mean_ms": r["mean_us"] / 1e3, "p50_ms": r["p50_us"] / 1e3,
+            "p99_ms": r["p99_us"] / 1e3, "non_2xx": int(r["non2xx"]),
+            "errors": int(r["errors"]), "requests": int(r["requests"])}
 
-    def ms(label: str) -> float:
-        m = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
-        if not m:
-            return float("nan")
-        return float(m[1]) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m[2]]
 
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"rps": float(rps[1]) if rps else float("nan"), "p50_ms": ms("50"),
-            "p99_ms": ms("99"), "non_2xx": int(errors[1]) if errors else 0}
+def verify(model: str, record: str, limits: list[str]) -> None:
+    """``threads verify`` over the servers' own batch limits (mode 2's voucher)."""
+    proc = subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify", model,
+                           "--record", record, *limits], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"threads verify failed ({proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def learn(url: str, script: str, bursts: int, burst_s: float = 4, pause_s: float = 1,
+          rest_s: float = 5) -> None:
+    """Learning traffic: the first third of the bursts at 1 connection, the rest at 16, a
+    pause after each (shadows time batches in the gaps), a longer rest at the end."""
+    for i in range(bursts):
+        wrk(url, script, 1 if i < bursts // 3 else 16, burst_s)
+        time.sleep(pause_s)
+    time.sleep(rest_s)
+
+
+def threads_summary(report: dict) -> str:
+    """``GET /v1/threads`` in a few lines: top-level state, then one line per range."""
+    if "ranges" not in report:
+        return f"  {report}"
+    v = report.get("voucher") or {}
+    lines = [f"  mode {report.get('mode')}, configured {report.get('configured_threads')}, "
+             f"allowed {report.get('allowed_counts')}, voucher "
+             f"{'yes' if v.get('vouches') else 'no'}, uncovered forwards "
+             f"{report.get('uncovered_forwards', 0)}, drift "
+             f"{'yes' if report.get('drift') else 'no'}"]
+    lines += [f"  note: {n}" for n in report.get("notes", [])]
+    lines += [f"  {r['size_range']:>9}: served {r['served_threads']}, learned "
+              f"{r['learned_threads']}, {r['state']}, samples "
+              f"{ {k: c['samples'] for k, c in r['counts'].items()} }"
+              for r in report["ranges"]]
+    return "\n".join(lines)
 
 
 class Server:
@@ -77,23 +149,33 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env={**os.environ, **env})
         line = self.proc.stdout.readline()
+        # Keep draining stdout so that a chatty server never blocks on a full pipe.
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
         self.url = line.strip().rsplit(" ", 1)[-1]
         end = time.monotonic() + 180
-        while time.monotonic() < end:
+        while time.monotonic() < end and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready: {line}")
+        self.close()
+        raise TimeoutError(f"server not ready: {line!r}")
 
     def threads(self) -> dict:
         return httpx.get(f"{self.url}/v1/threads", timeout=30).json()
 
     def close(self) -> None:
-        self.proc.terminate()
+        if self.proc.poll() is None:
+            self.proc.terminate()
         self.proc.wait(timeout=30)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def main() -> None:
@@ -107,38 +189,22 @@ def main() -> None:
               str(args.max_num_batched_tokens)]
     tmp = Path(tempfile.mkdtemp(prefix="adaptive-wrk-"))
     script = tmp / "mixed.lua"
-    script.write_text(LUA.replace("MODEL", args.model))
+    script.write_text(lua(args.model))
     record = str(tmp / "record.sqlite")
-    subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify",
-                    args.model, "--record", record, *limits], check=True, capture_output=True)
+    verify(args.model, record, limits)
     servers = {"fixed 1 (default)": (limits, {}), "fixed 2": (["--threads", "2", *limits], {}),
-               "mode 1": (["--record", record, *limits],
-                          {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"}),
-               "mode 2": (["--record", record, *limits],
-                          {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "2"})}
-    rows = []
+               "mode 1": (["--record", record, *limits], {LEARNING: "1"}),
+               "mode 2": (["--record", record, *limits], {LEARNING: "2"})}
     for name, (flags, env) in servers.items():
-        server = Server(args.model, flags, env)
-        try:
+        with Server(args.model, flags, env) as server:
             if env:  # learn: bursts with 1 s pauses, at 1 and at 16 connections
-                for i in range(args.learn_bursts):
-                    wrk(server.url, str(script), 1 if i < args.learn_bursts // 3 else 16, 4)
-                    time.sleep(1)
-                time.sleep(5)
+                learn(server.url, str(script), args.learn_bursts)
             for conns in (1, 16):
                 res = wrk(server.url, str(script), conns, args.seconds)
-                rows.append((name, conns, res))
                 print(f"{name:18} c={conns:2}  {res['rps']:7.1f} req/s  p50 {res['p50_ms']:7.2f}"
                       f" ms  p99 {res['p99_ms']:7.2f} ms  non-2xx {res['non_2xx']}", flush=True)
             if env:
-                rep = server.threads()
-                print("  " + "; ".join(
-                    f"{r['size_range']}: served {r['served_threads']}, learned "
-                    f"{r['learned_threads']}, {r['state']}, samples "
-                    f"{ {k: v['samples'] for k, v in r['counts'].items()} }"
-                    for r in rep["ranges"]), flush=True)
-        finally:
-            server.close()
+                print(threads_summary(server.threads()), flush=True)
 
 
 if __name__ == "__main__":

@@ -75,12 +75,13 @@ class TunerSettings:
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
     relearn_factor: float = 2.0  # time at the learned count moved this much: explore again
     relearn_window: int = 16  # served forwards at one count each relearning check rests on
-    probe_window: int = 6  # probe shadows at one count each relearning check rests on
+    probe_window: int = 4  # probe shadows at one count each relearning check rests on
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 48  # recent samples per count per range that decisions rest on
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
-    explore_after: int = 3  # mode 2: shadows of a range overlapped this often: explore served
+    explore_after: int = 3  # mode 2: this many served forwards in a row met a shadow running:
+    # the load leaves shadows no gap, so ranges still exploring time their own forwards
 
 
 @dataclass
@@ -97,7 +98,6 @@ class RangeLearning:
     # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
     baselines: dict[tuple[int, str], float] = field(default_factory=dict)
     recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
-    overlapped: int = 0  # shadows of this range a served forward overlapped since a clean one
     explore_served: bool = False  # mode 2 under load: its own served forwards are the samples
 
 
@@ -152,6 +152,7 @@ class AdaptiveThreads:
         self._timed: dict[int, tuple[bool, bool, int]] = {}
         self._paused = 0  # served forwards running with the shadow side frozen
         self.served_samples = 0  # samples taken from served forwards
+        self._starved = 0  # served forwards in a row that started while a shadow ran
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
         self._shadow_s = 0.0
         self._started = clock()
@@ -231,8 +232,8 @@ class AdaptiveThreads:
                     r.serving, r.keep_serving = False, None
 
     def close(self) -> None:
-        if self.pause_shadows is not None:
-            with self.lock:
+        with self.lock:
+            if self._paused:  # a served forward still running: thaw before closing
                 self._paused = 0
                 self.pause_shadows(False)
         if self._record_watch is not None:
@@ -302,9 +303,16 @@ class AdaptiveThreads:
             lo = size_range(batch.padded_tokens)[0]
             n = self._serving_count(lo)
             r = self.ranges.get(lo)
+            if self._shadowing:
+                self._starved += 1
             if r is not None and r.learned is None and self.locked_reason is None \
                     and self.retired is None:
-                if r.explore_served and self.mode is AdaptiveMode.SERVE:
+                if self.mode is AdaptiveMode.SERVE and not r.explore_served and \
+                        self._starved >= self.settings.explore_after:
+                    r.explore_served = True  # the load leaves shadows no clean gap
+                    log.info("threads_explore_served range=%d-%d served_forwards_beside_a_"
+                             "shadow=%d", lo, 2 * lo - 1, self._starved)
+                if r.explore_served:
                     n = self._explore_count(r, n)
                 paused = self.pause_shadows is not None
                 if paused:
@@ -400,19 +408,24 @@ class AdaptiveThreads:
             job = self._jobs[lo]
             count = job.counts[0]
             epoch = self._epoch
-            self._shadowing += 1
-            self._shadow_epoch += 1
         began = self.clock()
-        try:
-            result = self.shadow_forward(job.batch, count)
-        finally:
-            with self.lock:
-                self._shadowing -= 1
-                self._shadow_epoch += 1
+        result = self.run_shadow(job.batch, count)
         with self.lock:
             self._shadow_s += self.clock() - began  # wall time, whatever the forward reports
             self._after_shadow(lo, job, count, result, clean_window(0, epoch, self._epoch))
         return True
+
+    def run_shadow(self, batch: TokenBatch, count: int) -> ForwardResult:
+        """One shadow forward (a due one, or a warm-up), counted as running meanwhile."""
+        with self.lock:
+            self._shadowing += 1
+            self._shadow_epoch += 1
+        try:
+            return self.shadow_forward(batch, count)
+        finally:
+            with self.lock:
+                self._shadowing -= 1
+                self._shadow_epoch += 1
 
     def _after_shadow(self, lo: int, job: _Job, count: int, result: ForwardResult,
                       clean: bool) -> None:
@@ -427,16 +440,10 @@ class AdaptiveThreads:
             self.audits += 1
         r = self.ranges.setdefault(lo, RangeLearning())
         if clean:
-            r.overlapped = 0
+            self._starved = 0
             self._sample(lo, r, count, result.forward_s * 1000, job.batch.padded_tokens)
         else:
             self.discarded += 1
-            r.overlapped += 1
-            if r.learned is None and not r.explore_served and \
-                    r.overlapped >= self.settings.explore_after:
-                r.explore_served = True  # load leaves no gap: time its own forwards
-                log.info("threads_explore_served range=%d-%d overlapped=%d mode=%d", lo,
-                         2 * lo - 1, r.overlapped, self.mode)
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)

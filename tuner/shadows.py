@@ -55,8 +55,10 @@ class ShadowProcess:
     def __init__(self, manifest: Manifest, backend: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self._armed = ctx.Event()  # set by the child once it dies with this process
+        self._frozen_ok = False
         self.process = ctx.Process(target=_serve_shadows,
-                                   args=(child, manifest, backend, os.getpid()),
+                                   args=(child, manifest, backend, os.getpid(), self._armed),
                                    name="vllm-srun-shadows", daemon=True)
         self.process.start()
         child.close()
@@ -76,6 +78,10 @@ class ShadowProcess:
     def pause(self, frozen: bool) -> None:
         """Freeze the child (SIGSTOP) while a served forward that is timed runs, and thaw it
         (SIGCONT) after: a shadow then takes no CPU, cache or memory bandwidth from it."""
+        if frozen and not self._frozen_ok:  # not before it dies with this process
+            if not self._armed.is_set():
+                return
+            self._frozen_ok = True
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.process.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
 
@@ -90,8 +96,9 @@ class ShadowProcess:
         self._conn.close()
 
 
-def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int) -> None:
+def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, armed) -> None:
     die_with_parent(parent, signal.SIGKILL)  # SIGKILL: even while frozen
+    armed.set()  # only now may the worker freeze it
     make_process_idle()  # every thread made from here on inherits it
     backend = load_backend(manifest, backend_name)
     context = ThreadContext()
@@ -132,7 +139,7 @@ class ShadowLoop:
         t = self.tuner
         try:
             for n in t.counts:  # warm every count before it is timed
-                t.shadow_forward(self._warm, n)
+                t.run_shadow(self._warm, n)
             while not self._stop:
                 if t.step():
                     continue

@@ -1,0 +1,308 @@
+"""Adaptive threads under load, over HTTP with wrk: every server alone, one after another, in
+one run, with the targets of the adaptive-threads work judged side by side at the end.
+
+    python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--learn-seconds 60]
+                                  [--max-num-batched-tokens 512] [--only levels oracle neighbour]
+                                  [--quick] [--out bench/results/adaptive_load.json]
+
+Servers (``vllm-srun serve``, all with ``--max-num-seqs 32`` and the same
+``--max-num-batched-tokens``): fixed 1 thread (the default on this 2-core host: learning
+off), fixed 2 threads, mode 1 and mode 2 (``VLLM_SRUN_CPU_ADAPTIVE_THREADS``; counts 1 and 2
+on this host). Each adaptive server gets a fresh host record with nothing learned in it (mode
+2's is a copy of one record that ``threads verify`` vouched for over exactly those batch
+limits: the sweep takes minutes and writes only the voucher, so it runs once), first learns
+from bursts of traffic at 1 and at 16 connections with 1 s pauses (``--learn-seconds`` in
+all), then is measured; what it learned (``GET /v1/threads``) is printed after its run.
+Bodies are unique (the result cache never answers) and mixed: 70% short (~6 words), 25%
+passages (~40), 5% long (~150).
+
+Sections (``--only``):
+
+- ``levels``: capacity = the learning-off server's req/s at 16 closed-loop connections; then
+  every server at closed-loop 1 and 16 connections and at Poisson arrivals of 30/60/90% of
+  capacity. Poisson is approximate: 64 connections each wait an exponential think time of
+  mean 64/rate (wrk's ``delay()``) before each request, but a connection also waits for its
+  answer, so the achieved rate sits below the target (both are shown) and arrivals are not
+  quite independent of the server.
+- ``oracle``: per *length class* alone (short, passage, long), fixed 1 and fixed 2 at 1
+  connection (mean latency, wrk's ``latency.mean``); the oracle's mean for the mix is
+  0.70*min(short) + 0.25*min(passage) + 0.05*min(long), compared with each server's mean at
+  1 connection on the mix (oracle/server, 1.0 = as good as always picking the better count per
+  class). This is a per-length-class oracle, not per padded-token range (what the tuner
+  chooses by): a class's requests fall in more than one range, so the tuner can beat it.
+- ``neighbour``: a CPU hog of one core (``sha256sum /dev/zero``) stopped and continued every
+  2 s (on half the time) while fixed 1, fixed 2 and mode 2 (a fresh record, learning with the
+  neighbour present) are measured at 16 and at 1 connection.
+
+Read the tables as one run on a shared machine: req/s counts every completed response,
+non-2xx ones (429 overload, 504 deadline) included and also shown apart; p50/p99/mean are
+wrk's over all responses. The targets table is met/missed for this run only; a noisy host
+(other jobs, the neighbour) moves fixed counts by large factors between minutes, so repeat
+before drawing conclusions. Results go to ``--out`` as JSON (NaN written as null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.adaptive_wrk import LEARNING, MIX, Server, learn, lua, threads_summary, verify, wrk
+
+SECTIONS = ("levels", "oracle", "neighbour")
+POISSON = (0.3, 0.6, 0.9)
+POISSON_CONNS = 64
+# name, extra flags, learning mode
+SERVERS = (("fixed 1", [], None), ("fixed 2", ["--threads", "2"], None),
+           ("mode 1", [], "1"), ("mode 2", [], "2"))
+
+
+@contextmanager
+def neighbour(period_s: float = 2.0):
+    """One core's worth of CPU hog, on and off every ``period_s`` (on half the time)."""
+    hog = subprocess.Popen(["sha256sum", "/dev/zero"], stdout=subprocess.DEVNULL)
+    stop = threading.Event()
+
+    def toggle() -> None:
+        on = True
+        while not stop.wait(period_s):
+            on = not on
+            hog.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
+
+    toggler = threading.Thread(target=toggle, daemon=True)
+    toggler.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        toggler.join()
+        hog.kill()
+        hog.wait()
+
+
+def ratio(a, b) -> float | None:
+    return a / b if a is not None and b and math.isfinite(a) and math.isfinite(b) else None
+
+
+def clean(x):
+    """NaN -> None, for strict JSON."""
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [clean(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def md(head: list[str], rows: list[list]) -> str:
+    def cell(v) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="all-MiniLM-L6-v2")
+    p.add_argument("--seconds", type=float, default=12, help="per measured level")
+    p.add_argument("--learn-seconds", type=float, default=60, help="learning phase, in all")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--quick", action="store_true", help="smoke pass: 2 s levels, 6 s learning")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_load.json"))
+    args = p.parse_args()
+    if args.quick:
+        args.seconds, args.learn_seconds = 2, 6
+    if not shutil.which("wrk"):
+        sys.exit("wrk (the C HTTP load generator) is not installed: apt-get install wrk")
+    if "neighbour" in args.only and not shutil.which("sha256sum"):
+        sys.exit("sha256sum (coreutils) is needed for the neighbour section")
+    limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
+              str(args.max_num_batched_tokens)]
+    tmp = Path(tempfile.mkdtemp(prefix="adaptive-load-"))
+
+    def script(name: str, **kw) -> str:
+        path = tmp / f"{name}.lua"
+        path.write_text(lua(args.model, **kw))
+        return str(path)
+
+    mixed = script("mixed")
+    per_class = {name: script(name, mix=((name, 1.0, words),)) for name, _, words in MIX}
+
+    voucher = tmp / "voucher.sqlite"
+
+    def vouch() -> None:
+        """``threads verify`` once (minutes) into a record that holds only the voucher."""
+        if not voucher.exists():
+            t0 = time.monotonic()
+            print("threads verify ...", end=" ", flush=True)
+            verify(args.model, str(voucher), limits)
+            print(f"{time.monotonic() - t0:.0f} s", flush=True)
+
+    def start(name: str, flags: list[str], mode: str | None) -> Server:
+        if mode is None:
+            return Server(args.model, [*flags, *limits], {})
+        record = str(tmp / f"{name.replace(' ', '-')}-{time.monotonic_ns()}.sqlite")
+        if mode == "2":  # a fresh record: a copy of the verified one, nothing learned yet
+            vouch()
+            src, dst = sqlite3.connect(voucher), sqlite3.connect(record)
+            src.backup(dst)
+            src.close()
+            dst.close()
+        server = Server(args.model, [*flags, "--record", record, *limits], {LEARNING: mode})
+        rest = min(5.0, args.learn_seconds / 6)
+        bursts = max(2, round((args.learn_seconds - rest) / 5))
+        print(f"{name}: learning ({bursts} bursts) ...", flush=True)
+        try:
+            learn(server.url, mixed, bursts,
+                  max(1, round((args.learn_seconds - rest) / bursts - 1)), 1, rest)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    def measure(name: str, level: str, url: str, path: str, conns: int,
+                target: float | None = None) -> dict:
+        r = wrk(url, path, conns, args.seconds)
+        if target is not None:
+            r["target_rps"] = target
+        print(f"  {name:8} {level:12} {r['rps']:7.1f} req/s"
+              + (f" (target {target:6.1f})" if target is not None else " " * 17)
+              + f"  p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}  mean {r['mean_ms']:7.2f} ms"
+              f"  non-2xx {r['non_2xx']}  errors {r['errors']}", flush=True)
+        return r
+
+    out = {"meta": {**vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
+                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+           "capacity_rps": None, "levels": {}, "oracle": {}, "neighbour": {}, "threads": {}}
+    levels, capacity = out["levels"], None
+    class_ms: dict[str, dict[str, float]] = {}
+    mix_ms: dict[str, float] = {}
+
+    if {"levels", "oracle"} & set(args.only):
+        for name, flags, mode in SERVERS:
+            print(f"== {name}", flush=True)
+            with start(name, flags, mode) as server:
+                if "levels" in args.only:
+                    if capacity is None:  # fixed 1 comes first
+                        capacity = measure(name, "capacity", server.url, mixed, 16)["rps"]
+                        out["capacity_rps"] = capacity
+                    rows = levels[name] = {}
+                    for conns in (1, 16):
+                        rows[f"closed {conns}"] = measure(name, f"closed {conns}", server.url,
+                                                          mixed, conns)
+                    for share in POISSON if capacity and math.isfinite(capacity) else ():
+                        rate = share * capacity
+                        path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
+                        rows[f"poisson {share:.0%}"] = measure(
+                            name, f"poisson {share:.0%}", server.url, path, POISSON_CONNS, rate)
+                if "oracle" in args.only:
+                    c1 = levels.get(name, {}).get("closed 1") or measure(
+                        name, "closed 1", server.url, mixed, 1)
+                    mix_ms[name] = c1["mean_ms"]
+                    if mode is None:
+                        class_ms[name] = {c: measure(name, c, server.url, per_class[c], 1)
+                                          ["mean_ms"] for c in per_class}
+                if mode:
+                    out["threads"][name] = server.threads()
+                    print(threads_summary(out["threads"][name]), flush=True)
+
+    oracle = None
+    if len(class_ms) == 2:
+        oracle = sum(share * min(class_ms[s][c] for s in class_ms) for c, share, _ in MIX)
+        out["oracle"] = {"class_mean_ms": class_ms, "oracle_mix_mean_ms": oracle,
+                         "mix_mean_ms_at_1": mix_ms,
+                         "oracle_over_server": {s: ratio(oracle, m) for s, m in mix_ms.items()}}
+
+    if "neighbour" in args.only:
+        vouch()  # before the neighbour starts: the sweep checks bits, not time
+        print("== neighbour: sha256sum /dev/zero, stopped/continued every 2 s", flush=True)
+        with neighbour():
+            for name, flags, mode in (s for s in SERVERS if s[0] != "mode 1"):
+                with start(name, flags, mode) as server:
+                    out["neighbour"][name] = {f"closed {c}": measure(
+                        name, f"closed {c}", server.url, mixed, c) for c in (16, 1)}
+                    if mode:
+                        out["threads"][f"{name} + neighbour"] = server.threads()
+                        print(threads_summary(out["threads"][f"{name} + neighbour"]),
+                              flush=True)
+
+    # ---- tables
+    print()
+    if levels:
+        print(f"### Load levels (capacity {capacity:.1f} req/s = fixed 1 thread, 16 connections;"
+              f" Poisson approximate: {POISSON_CONNS} connections with exponential think times)\n")
+        print(md(["server", "level", "target req/s", "req/s", "p50 ms", "p99 ms", "mean ms",
+                  "non-2xx"],
+                 [[s, lvl, r.get("target_rps"), r["rps"], r["p50_ms"], r["p99_ms"], r["mean_ms"],
+                   r["non_2xx"]] for s, rows in levels.items() for lvl, r in rows.items()]))
+        print()
+    if oracle is not None:
+        print("### Per-length-class oracle at 1 connection (mean ms; per class, not per "
+              "padded-token range)\n")
+        print(md(["class", "share", "fixed 1", "fixed 2", "best"],
+                 [[c, share, class_ms["fixed 1"][c], class_ms["fixed 2"][c],
+                   min(class_ms["fixed 1"][c], class_ms["fixed 2"][c])] for c, share, _ in MIX]
+                 + [["oracle (mix)", None, None, None, oracle]]))
+        print()
+        print(md(["server", "mix mean ms at 1 conn", "oracle / server"],
+                 [[s, m, out["oracle"]["oracle_over_server"][s]] for s, m in mix_ms.items()]))
+        print()
+    nb = out["neighbour"]
+    if nb:
+        print("### Neighbour on half the time (one core's worth of sha256sum, 2 s on / 2 s off)\n")
+        print(md(["server", "16 conn req/s", "p50 ms", "p99 ms", "1 conn req/s", "p50 ms",
+                  "p99 ms"],
+                 [[s] + [r[f"closed {c}"][k] for c in (16, 1) for k in ("rps", "p50_ms", "p99_ms")]
+                  for s, r in nb.items()]))
+        print()
+
+    def rps(table: dict, server: str, level: str) -> float | None:
+        return table.get(server, {}).get(level, {}).get("rps")
+
+    def best_fixed(table: dict, level: str) -> float | None:
+        vals = [v for s in ("fixed 1", "fixed 2") if (v := rps(table, s, level)) is not None]
+        return max(vals) if len(vals) == 2 else None
+
+    targets = [("(a) mode 2 req/s at 16 clients / best fixed count", ">= 0.97",
+                ratio(rps(levels, "mode 2", "closed 16"), best_fixed(levels, "closed 16")),
+                lambda v: v >= 0.97),
+               ("(b) per-class oracle mean / mode 2 mean at 1 client", ">= 0.97",
+                (out["oracle"].get("oracle_over_server") or {}).get("mode 2"),
+                lambda v: v >= 0.97)]
+    for lvl in ("closed 1", "closed 16", *(f"poisson {s:.0%}" for s in POISSON)):
+        targets.append((f"(c) mode 1 p99 / fixed 1 p99, {lvl}", "<= 1.05", ratio(
+            levels.get("mode 1", {}).get(lvl, {}).get("p99_ms"),
+            levels.get("fixed 1", {}).get(lvl, {}).get("p99_ms")), lambda v: v <= 1.05))
+    for c in (16, 1):
+        targets.append((f"(d) neighbour: mode 2 req/s / best fixed count, {c} client(s)", "> 1.00",
+                        ratio(rps(nb, "mode 2", f"closed {c}"), best_fixed(nb, f"closed {c}")),
+                        lambda v: v > 1.0))
+    out["targets"] = [{"target": t, "goal": g, "value": v, "met": None if v is None else ok(v)}
+                      for t, g, v, ok in targets]
+    print("### Targets (this run only)\n")
+    print(md(["target", "measured", "goal", "result"],
+             [[t["target"], None if t["value"] is None else f"{t['value']:.3f}", t["goal"],
+               "n/a" if t["met"] is None else "met" if t["met"] else "MISSED"]
+              for t in out["targets"]]))
+
+    out["meta"]["loadavg_end"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(clean(out), indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

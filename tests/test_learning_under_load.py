@@ -1,0 +1,190 @@
+"""R4.5 and R4.6 (amended) under real load: a busy worker learns every range it serves while
+the load lasts. Served forwards of a range still exploring are its timing samples, with the
+shadow process frozen (SIGSTOP) while they run; mode 2, where load leaves shadows no clean
+gap, serves vouched counts in turn to time them. Real L3 on onnxruntime, the real engine,
+tuner, voucher sweep and SCHED_IDLE shadow process (what a deployment wires)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import L3, row, wait_until
+from vllm_srun.records.host_record import HostRecord, Scope
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.sizes import size_range
+from vllm_srun.runtime.types import EngineArgs
+from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
+from vllm_srun.tuner.golden import golden_rows
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.shadows import ShadowProcess
+from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name: [0] the state, [11] and [12]
+    user and system CPU ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def test_a_frozen_shadow_process_runs_nothing_until_thawed():
+    shadows = ShadowProcess(resolve(L3), "onnxruntime")
+    pid = shadows.process.pid
+    pool = ThreadPoolExecutor(1)
+    try:
+        batch = pad([row(200)])
+        first = shadows.forward(batch, 1)  # loaded and warm
+        shadows.pause(True)
+        pending = pool.submit(shadows.forward, batch, 2)
+        time.sleep(0.5)
+        ticks = proc_stat(pid)[11:13]
+        time.sleep(1.0)
+        assert proc_stat(pid)[0] == "T" and not pending.done()
+        assert proc_stat(pid)[11:13] == ticks  # no CPU at all while frozen
+        shadows.pause(False)
+        second = pending.result(timeout=60)
+        assert np.array_equal(output_bits(first.outputs), output_bits(second.outputs))
+    finally:
+        shadows.pause(False)
+        pool.shutdown()
+        shadows.close()
+    assert not shadows.process.is_alive()
+
+
+def test_a_frozen_shadow_process_dies_with_its_worker(tmp_path):
+    """SIGKILL the worker while its shadow process is frozen: the kernel kills the child
+    (PR_SET_PDEATHSIG with SIGKILL, which a stopped process cannot ignore)."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from vllm_srun.runtime.artifact import resolve
+        from vllm_srun.runtime.engine import pad
+        from vllm_srun.tuner.shadows import ShadowProcess
+
+        if __name__ == "__main__":
+            shadows = ShadowProcess(resolve(sys.argv[1]), "onnxruntime")
+            shadows.forward(pad([[101, 2000, 102]]), 1)
+            shadows.pause(True)
+            print(shadows.process.pid, flush=True)
+            time.sleep(600)
+    """))
+    worker = subprocess.Popen([sys.executable, str(script), L3], stdout=subprocess.PIPE,
+                              text=True, cwd=tmp_path)
+    try:
+        child = int(worker.stdout.readline())
+        wait_until(lambda: proc_stat(child)[0] == "T", 30, "the shadow process frozen")
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(30)
+
+        def gone() -> bool:
+            try:
+                return proc_stat(child)[0] == "Z"  # dead, not yet reaped by init
+            except FileNotFoundError:
+                return True
+
+        wait_until(gone, 30, "the frozen shadow process to die with its worker")
+    finally:
+        worker.kill()
+        worker.wait(30)
+
+
+def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_lasts(tmp_path):
+    """16 clients keep the engine busy; its micro-batches reach ranges no single request
+    does. Every range the load keeps reaching gets a learned count before it stops; served
+    forwards are samples (the shadow side frozen for each, thawed after, never left frozen)
+    and, where shadows kept overlapping, mode 2 served the vouched counts in turn to time
+    them. Every shadow and audit agreed bit for bit with the served answer."""
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    record = HostRecord(tmp_path / "r.sqlite")
+    scope = Scope("test-host", manifest.revision, "onnxruntime")
+    plan = plan_sweep(ShapeBounds(max_rows=8, max_len=40, max_padded=320))  # the engine's
+    swept = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
+    assert swept.mismatches == 0 and swept.comparisons > 250
+    record.add_voucher(scope, "verify", swept.comparisons, 0, plan.coverage((1, 2)))
+
+    shadows = ShadowProcess(manifest, "onnxruntime")
+    pauses: list[bool] = []
+
+    def pause(frozen: bool) -> None:
+        pauses.append(frozen)
+        shadows.pause(frozen)
+
+    forwards = []
+    runner = Runner(manifest, backend, EngineArgs(num_threads=1, max_num_seqs=8,
+                                                  max_num_batched_tokens=320,
+                                                  cache_entries=0),
+                    on_forward=forwards.append)
+    tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), scope, record,
+                            runner.engine.forward_batch,
+                            TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
+                            shadow_forward=shadows.forward, on_close=shadows.close,
+                            pause_shadows=pause)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        rng = np.random.default_rng(i)
+        while not stop.is_set():
+            runner.engine.submit([row(int(rng.integers(20, 41)), int(rng.integers(1e9)))]) \
+                .result(timeout=60)
+
+    def served_under_load() -> set[int]:
+        """Ranges the load keeps reaching (not the few forwards of its first moments)."""
+        counts = Counter(size_range(f.padded_tokens)[0] for f in list(forwards))
+        return {lo for lo, n in counts.items() if n >= 20}
+
+    def all_reached_learned() -> bool:
+        return all((r := tuner.ranges.get(lo)) is not None and r.learned is not None
+                   for lo in served_under_load())
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    try:
+        for c in clients:
+            c.start()
+        try:
+            wait_until(lambda: len(forwards) > 200 and all_reached_learned(), 90)
+        except TimeoutError:
+            raise AssertionError(("not every range the load reached was learned under load",
+                                  tuner.served_samples, tuner.explored, tuner.uncovered, {
+                lo: (r.learned, r.explore_served, {n: len(v) for n, v in r.samples.items()})
+                for lo, r in sorted(tuner.ranges.items())})) from None
+        during = (len(forwards), tuner.served_samples, tuner.explored, tuner.discarded)
+        reached = sorted(served_under_load())
+        state = {lo: (r.learned, r.explore_served, {n: len(v) for n, v in r.samples.items()})
+                 for lo, r in sorted(tuner.ranges.items())}
+        stop.set()
+        for c in clients:
+            c.join(60)
+        # the audits of what it served while exploring, and the window, run as shadows
+        wait_until(lambda: tuner.comparisons > 0, 60, "a shadow once the load stopped")
+    finally:
+        stop.set()
+        runner.stop()
+    print(f"ranges reached {reached}; under load: forwards, served samples, explored, "
+          f"discarded = {during}; {state}")
+    assert [lo for lo in reached if lo >= 256], reached  # batches no single request makes
+    assert during[1] > 0  # served forwards timed themselves
+    assert tuner.retired is None and tuner.comparisons > 0
+    assert pauses and pauses[-1] is False  # closed thawed
+    assert all(a != b for a, b in zip(pauses, pauses[1:], strict=False))  # freeze, thaw, ...
+    if any(r.explore_served for r in tuner.ranges.values()):
+        assert during[2] > 0 and any(f.num_threads == 2 for f in forwards)
+    assert not os.path.exists(f"/proc/{shadows.process.pid}/task")  # closed: gone
