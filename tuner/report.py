@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from vllm_srun.records.host_record import DriftEvent, Scope, Voucher
 from vllm_srun.tuner.adaptive import AdaptiveThreads, RangeLearning
@@ -30,6 +30,7 @@ class ReportInput:
     record_error: str | None = None
     shadow_error: str | None = None
     uncovered: int = 0  # forwards kept at the configured count: shape not vouched for
+    learning: dict[str, int] = field(default_factory=dict)  # what timed and checked what
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -39,7 +40,11 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                   for lo, r in t.ranges.items()}
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
                        t.locked_reason, record_path, t.record_error, t.shadow_error,
-                       t.uncovered)
+                       t.uncovered, {
+                           "shadow_comparisons": t.comparisons, "audits": t.audits,
+                           "shadows_overlapped_not_timed": t.discarded,
+                           "served_forwards_timed": t.served_samples,
+                           "forwards_served_to_time_a_count": t.explored})
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
@@ -72,7 +77,10 @@ def build(inp: ReportInput) -> dict:
         ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
                        "counts": per_count, "learned_threads": r.learned,
                        "speedup": round(up, 3) if up else None,
-                       "verified_passes": r.streak, "state": range_state(inp, r).value})
+                       "verified_passes": r.streak, "state": range_state(inp, r).value,
+                       "timed_by": "its served forwards, at each count in turn (load left "
+                                   "shadows no gap)" if r.explore_served else
+                                   "shadows, and its served forwards at the count served"})
     notes = []
     if inp.mode is AdaptiveMode.SERVE and not inp.voucher.vouches:
         notes.append("mode 2 acts as mode 1: the host record has no voucher of bit-identity "
@@ -104,6 +112,7 @@ def build(inp: ReportInput) -> dict:
                     "coverage": [{**asdict(c), "counts": list(c.counts)}
                                  for c in inp.voucher.coverages]},
         "uncovered_forwards": inp.uncovered,
+        "learning": inp.learning,
         "drift": None if inp.drift is None else {
             "worker": inp.drift.worker or None,
             "seen_at": _utc(inp.drift.created_at) if inp.drift.created_at else None,
