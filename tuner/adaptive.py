@@ -3,13 +3,22 @@ from timed shadow passes that must reproduce the served answer bit for bit.
 
 How it works: the engine asks ``served_threads`` right before each served forward and tells
 ``observe`` right after it ends. A served batch becomes a shadow job (the latest per size
-range) listing the counts still to run on it (``policy.shadow_plan``). Jobs run on a thread of
-the tuner's own in ``SCHED_IDLE`` (``ShadowLoop``), through an idle thread context whose lanes
-and backend twin make their intra-op pools there too: the kernel gives shadows only CPU time no
-served forward wants, and no lock a served forward needs is held across a shadow. A shadow
-starts only while no served forward runs; if one ran at any moment of it, its time is not a
-sample (``policy.clean_window``) and the count stays due, so the batch is run again later: the
-shapes that only load produces are kept until they are timed, and learned in the gaps.
+range) listing the counts still to run on it (``policy.shadow_plan``). Jobs run in a process
+of the tuner's own in ``SCHED_IDLE`` (``ShadowLoop`` hands them over): the kernel gives shadows
+only CPU time no served forward wants, and no lock a served forward needs is held across a
+shadow. A shadow starts only while no served forward runs; if one ran at any moment of it, its
+time is not a sample (``policy.clean_window``) and the count stays due, so the batch is run
+again later.
+
+Served forwards are samples too: while a range explores, each of its served forwards is timed
+at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
+length, or, where nothing can freeze it, only if no shadow ran beside it. Every served forward
+freezes the shadow side, except in mode 2 under saturating load (``explore_after`` served
+forwards in a row met a running shadow): then the forwards that are not samples leave shadows
+the CPU they do not use, so the transition window and the audits move on, and a range still
+exploring serves the counts it lacks samples for, in turn, where the voucher covers count and
+shape (the answer is the same at every vouched count; a shadow audits it at the configured
+count). So every range that load keeps reaching is learned while the load lasts.
 
 Every shadow, timed or not, is compared bit for bit with the served answer. Equal: a
 comparison (and mode 2's transition window moves on). Any difference is drift: learning
@@ -73,7 +82,7 @@ class TunerSettings:
     margin: float = 0.05  # a non-configured count must be this much faster
     audit_every: int = 8  # every Nth forward of a learned range: a probe (and audit) shadow
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
-    relearn_factor: float = 2.0  # time at the learned count moved this much: explore again
+    relearn_factor: float = 1.5  # time at the learned count moved this much: explore again
     relearn_window: int = 16  # served forwards at one count each relearning check rests on
     probe_window: int = 4  # probe shadows at one count each relearning check rests on
     flush_s: float = 2.0  # how often learnings are written to the record
@@ -147,8 +156,8 @@ class AdaptiveThreads:
         self._epoch = 0  # served forwards started plus ended
         self._shadowing = 0  # shadow forwards running now
         self._shadow_epoch = 0  # shadow forwards started plus ended
-        # served forwards timed as samples: id(batch) -> (it froze the shadow side, no shadow
-        # could run at its start, shadow epoch then)
+        # served forwards running: id(batch) -> (it froze the shadow side, no shadow could
+        # run at its start, shadow epoch then)
         self._timed: dict[int, tuple[bool, bool, int]] = {}
         self._paused = 0  # served forwards running with the shadow side frozen
         self.served_samples = 0  # samples taken from served forwards
@@ -292,11 +301,12 @@ class AdaptiveThreads:
     # -- ThreadsPolicy ---------------------------------------------------------------------
     def served_threads(self, batch: TokenBatch) -> int:
         """The count for a served forward about to start (it counts as running from now).
-        A forward of a range still exploring is timed as a sample: the shadow side is frozen
-        for it (``pause_shadows``), or else its time counts only if no shadow overlapped it.
-        Mode 2, a range whose shadows load keeps overlapping: a count it still lacks samples
-        for, in turn, where the voucher covers it (the answer is the same at every vouched
-        count, R4.8)."""
+        The shadow side is frozen (``pause_shadows``) while it runs, so no shadow shares the
+        CPU with it; only mode 2 under saturating load lets shadows run beside forwards that
+        are not timed (on CPU they leave), so its window and audits move on. A forward of a
+        range still exploring is a timing sample when frozen for, or when no shadow ran
+        beside it. Mode 2 under saturating load: a range still exploring serves a count it
+        lacks samples for, in turn, where the voucher covers it (the same answer, R4.8)."""
         with self.lock:
             self._busy += 1
             self._epoch += 1
@@ -305,21 +315,24 @@ class AdaptiveThreads:
             r = self.ranges.get(lo)
             if self._shadowing:
                 self._starved += 1
-            if r is not None and r.learned is None and self.locked_reason is None \
-                    and self.retired is None:
-                if self.mode is AdaptiveMode.SERVE and not r.explore_served and \
-                        self._starved >= self.settings.explore_after:
+            saturated = self._starved >= self.settings.explore_after
+            exploring = r is not None and r.learned is None and self.locked_reason is None \
+                and self.retired is None
+            if exploring and self.mode is AdaptiveMode.SERVE and saturated:
+                if not r.explore_served:
                     r.explore_served = True  # the load leaves shadows no clean gap
                     log.info("threads_explore_served range=%d-%d served_forwards_beside_a_"
                              "shadow=%d", lo, 2 * lo - 1, self._starved)
-                if r.explore_served:
-                    n = self._explore_count(r, n)
-                paused = self.pause_shadows is not None
-                if paused:
-                    self._paused += 1
-                    self.pause_shadows(True)
-                self._timed[id(batch)] = (paused, paused or not self._shadowing,
-                                          self._shadow_epoch)
+                n = self._explore_count(r, n)
+            elif exploring and r.explore_served:
+                n = self._explore_count(r, n)
+            frozen = self.pause_shadows is not None and (
+                exploring or self.mode is not AdaptiveMode.SERVE or not saturated)
+            if frozen:
+                self._paused += 1
+                self.pause_shadows(True)
+            self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
+                                      self._shadow_epoch)
             if n != self.configured and not self.voucher.covers(
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
                 self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
@@ -350,8 +363,8 @@ class AdaptiveThreads:
         with self.lock:
             self._busy = max(0, self._busy - 1)
             self._epoch += 1
-            timed = self._timed.pop(id(batch), None)
-            if timed is not None and timed[0]:
+            timed = self._timed.pop(id(batch), (False, False, -1))
+            if timed[0]:
                 self._paused -= 1
                 if not self._paused:
                     self.pause_shadows(False)
@@ -365,7 +378,7 @@ class AdaptiveThreads:
                 self._watch(lo, r, (result.num_threads, "served"),
                             result.forward_s * 1000 / batch.padded_tokens, s.relearn_window)
                 r = self.ranges[lo]
-            elif timed is not None and (timed[1] and timed[2] == self._shadow_epoch):
+            elif timed[1] and timed[2] == self._shadow_epoch:
                 self.served_samples += 1  # no shadow ran beside it: a clean sample
                 self._sample(lo, r, result.num_threads, result.forward_s * 1000,
                              batch.padded_tokens)
