@@ -141,14 +141,17 @@ def main() -> None:
     mixed = script("mixed")
     per_class = {name: script(name, mix=((name, 1.0, words),)) for name, _, words in MIX}
 
-    voucher = tmp / "voucher.sqlite"
+    voucher, vouched = tmp / "voucher.sqlite", tmp / "voucher.ok"
 
     def vouch() -> None:
         """``threads verify`` once (minutes) into a record that holds only the voucher."""
-        if not voucher.exists():
+        if not vouched.exists():
+            for old in tmp.glob("voucher.sqlite*"):  # a failed sweep's leftovers
+                old.unlink()
             t0 = time.monotonic()
             print("threads verify ...", end=" ", flush=True)
             verify(args.model, str(voucher), limits)
+            vouched.touch()
             print(f"{time.monotonic() - t0:.0f} s", flush=True)
 
     def start(name: str, flags: list[str], mode: str | None) -> Server:
@@ -186,38 +189,51 @@ def main() -> None:
 
     out = {"meta": {**vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-           "capacity_rps": None, "levels": {}, "oracle": {}, "neighbour": {}, "threads": {}}
-    levels, capacity = out["levels"], None
+           "capacity_rps": None, "levels": {}, "oracle": {}, "neighbour": {}, "threads": {},
+           "failures": {}}
+    levels, nb, failures = out["levels"], out["neighbour"], out["failures"]
     class_ms: dict[str, dict[str, float]] = {}
     mix_ms: dict[str, float] = {}
+
+    def serve(name: str, flags: list[str], mode: str | None, body, label: str) -> None:
+        """Start, learn (adaptive), run ``body``, report what it learned; a server that fails
+        is recorded and the run goes on."""
+        try:
+            with start(name, flags, mode) as server:
+                body(name, mode, server.url)
+                if mode:
+                    out["threads"][label] = server.threads()
+                    print(threads_summary(out["threads"][label]), flush=True)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            failures[label] = str(exc)
+            print(f"  {label}: FAILED: {exc}", flush=True)
+
+    def load_levels(name: str, mode: str | None, url: str) -> None:
+        if "levels" in args.only:
+            if out["capacity_rps"] is None:  # fixed 1 comes first
+                out["capacity_rps"] = measure(name, "capacity", url, mixed, 16)["rps"]
+            capacity, rows = out["capacity_rps"], levels.setdefault(name, {})
+            for conns in (1, 16):
+                rows[f"closed {conns}"] = measure(name, f"closed {conns}", url, mixed, conns)
+            for share in POISSON if capacity and math.isfinite(capacity) else ():
+                rate = share * capacity
+                path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
+                rows[f"poisson {share:.0%}"] = measure(name, f"poisson {share:.0%}", url, path,
+                                                       POISSON_CONNS, rate)
+        if "oracle" in args.only:
+            c1 = levels.get(name, {}).get("closed 1") or measure(name, "closed 1", url, mixed, 1)
+            mix_ms[name] = c1["mean_ms"]
+            if mode is None:
+                class_ms[name] = {c: measure(name, c, url, per_class[c], 1)["mean_ms"]
+                                  for c in per_class}
+
+    def with_neighbour(name: str, mode: str | None, url: str) -> None:
+        nb[name] = {f"closed {c}": measure(name, f"closed {c}", url, mixed, c) for c in (16, 1)}
 
     if {"levels", "oracle"} & set(args.only):
         for name, flags, mode in SERVERS:
             print(f"== {name}", flush=True)
-            with start(name, flags, mode) as server:
-                if "levels" in args.only:
-                    if capacity is None:  # fixed 1 comes first
-                        capacity = measure(name, "capacity", server.url, mixed, 16)["rps"]
-                        out["capacity_rps"] = capacity
-                    rows = levels[name] = {}
-                    for conns in (1, 16):
-                        rows[f"closed {conns}"] = measure(name, f"closed {conns}", server.url,
-                                                          mixed, conns)
-                    for share in POISSON if capacity and math.isfinite(capacity) else ():
-                        rate = share * capacity
-                        path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
-                        rows[f"poisson {share:.0%}"] = measure(
-                            name, f"poisson {share:.0%}", server.url, path, POISSON_CONNS, rate)
-                if "oracle" in args.only:
-                    c1 = levels.get(name, {}).get("closed 1") or measure(
-                        name, "closed 1", server.url, mixed, 1)
-                    mix_ms[name] = c1["mean_ms"]
-                    if mode is None:
-                        class_ms[name] = {c: measure(name, c, server.url, per_class[c], 1)
-                                          ["mean_ms"] for c in per_class}
-                if mode:
-                    out["threads"][name] = server.threads()
-                    print(threads_summary(out["threads"][name]), flush=True)
+            serve(name, flags, mode, load_levels, name)
 
     oracle = None
     if len(class_ms) == 2:
@@ -231,19 +247,14 @@ def main() -> None:
         print("== neighbour: sha256sum /dev/zero, stopped/continued every 2 s", flush=True)
         with neighbour():
             for name, flags, mode in (s for s in SERVERS if s[0] != "mode 1"):
-                with start(name, flags, mode) as server:
-                    out["neighbour"][name] = {f"closed {c}": measure(
-                        name, f"closed {c}", server.url, mixed, c) for c in (16, 1)}
-                    if mode:
-                        out["threads"][f"{name} + neighbour"] = server.threads()
-                        print(threads_summary(out["threads"][f"{name} + neighbour"]),
-                              flush=True)
+                serve(name, flags, mode, with_neighbour, f"{name} + neighbour")
 
     # ---- tables
     print()
     if levels:
-        print(f"### Load levels (capacity {capacity:.1f} req/s = fixed 1 thread, 16 connections;"
-              f" Poisson approximate: {POISSON_CONNS} connections with exponential think times)\n")
+        print(f"### Load levels (capacity {out['capacity_rps'] or float('nan'):.1f} req/s = fixed 1"
+              f" thread, 16 connections; Poisson approximate: {POISSON_CONNS} connections with "
+              "exponential think times)\n")
         print(md(["server", "level", "target req/s", "req/s", "p50 ms", "p99 ms", "mean ms",
                   "non-2xx"],
                  [[s, lvl, r.get("target_rps"), r["rps"], r["p50_ms"], r["p99_ms"], r["mean_ms"],
@@ -260,7 +271,6 @@ def main() -> None:
         print(md(["server", "mix mean ms at 1 conn", "oracle / server"],
                  [[s, m, out["oracle"]["oracle_over_server"][s]] for s, m in mix_ms.items()]))
         print()
-    nb = out["neighbour"]
     if nb:
         print("### Neighbour on half the time (one core's worth of sha256sum, 2 s on / 2 s off)\n")
         print(md(["server", "16 conn req/s", "p50 ms", "p99 ms", "1 conn req/s", "p50 ms",
@@ -298,6 +308,8 @@ def main() -> None:
                "n/a" if t["met"] is None else "met" if t["met"] else "MISSED"]
               for t in out["targets"]]))
 
+    for label, why in failures.items():
+        print(f"FAILED: {label}: {why}")
     out["meta"]["loadavg_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(clean(out), indent=1) + "\n")

@@ -146,7 +146,8 @@ class Server:
     def __init__(self, model: str, args: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", "vllm_srun.server", "serve", model, *args,
                "--port", "0", "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (tail: why a start failed)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr,
                                      text=True, env={**os.environ, **env})
         line = self.proc.stdout.readline()
         # Keep draining stdout so that a chatty server never blocks on a full pipe.
@@ -160,8 +161,11 @@ class Server:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-2000:]
         self.close()
-        raise TimeoutError(f"server not ready: {line!r}")
+        raise RuntimeError(f"server not ready (exit {self.proc.returncode}, first line "
+                           f"{line!r}): {tail}")
 
     def threads(self) -> dict:
         return httpx.get(f"{self.url}/v1/threads", timeout=30).json()
@@ -170,6 +174,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.terminate()
         self.proc.wait(timeout=30)
+        self.stderr.close()
 
     def __enter__(self) -> Server:
         return self
