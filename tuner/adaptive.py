@@ -108,6 +108,9 @@ class RangeLearning:
     baselines: dict[tuple[int, str], float] = field(default_factory=dict)
     recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
     explore_served: bool = False  # mode 2 under load: its own served forwards are the samples
+    # count -> served batches on which it and the configured count agreed (one served, the
+    # other a shadow): a learned count's transition window counts them from the start
+    verified: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -326,19 +329,20 @@ class AdaptiveThreads:
                 n = self._explore_count(r, n)
             elif exploring and r.explore_served:
                 n = self._explore_count(r, n)
+            if n != self.configured and not self.voucher.covers(
+                    batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
+                self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
+                n = self.configured
+            elif n != self._serving_count(lo):
+                self.explored += 1
             frozen = self.pause_shadows is not None and (
-                exploring or self.mode is not AdaptiveMode.SERVE or not saturated)
+                exploring or self.mode is not AdaptiveMode.SERVE or not saturated
+                or n >= max(self.counts))  # it takes every core: a shadow would get none
             if frozen:
                 self._paused += 1
                 self.pause_shadows(True)
             self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
                                       self._shadow_epoch)
-            if n != self.configured and not self.voucher.covers(
-                    batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
-                self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
-                return self.configured
-            if n != self._serving_count(lo):
-                self.explored += 1
             return n
 
     def _explore_count(self, r: RangeLearning, serving: int) -> int:
@@ -465,6 +469,10 @@ class AdaptiveThreads:
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
         if not job.counts and self._jobs.get(lo) is job:
             del self._jobs[lo]
+        pair = {count, job.served_threads}
+        if len(pair) == 2 and self.configured in pair:  # served at one, shadowed at the other
+            other = (pair - {self.configured}).pop()
+            r.verified[other] = r.verified.get(other, 0) + 1
         if (count == r.learned != job.served_threads
                 or job.served_threads == r.learned != self.configured == count):
             r.streak += 1  # served at one, shadowed at the other: they agreed
@@ -488,7 +496,8 @@ class AdaptiveThreads:
         new = learned_count(r.samples, self.counts, self.configured, s.min_samples, s.margin)
         if new is None:
             return
-        r.learned, r.streak, r.serving, r.relearning = new, 0, False, False
+        r.learned, r.serving, r.relearning = new, False, False
+        r.streak = r.verified.get(new, 0)  # passes it already made while the range explored
         if new == r.keep_serving:  # relearnt the count it went on serving: verified already
             r.serving = True
         if new == self.configured or r.serving or self.mode is not AdaptiveMode.SERVE:
