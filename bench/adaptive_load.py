@@ -50,6 +50,7 @@ import os
 import shutil
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,11 +121,12 @@ def main() -> None:
     p.add_argument("--learn-seconds", type=float, default=60, help="learning phase, in all")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
     p.add_argument("--quick", action="store_true", help="smoke pass: 2 s levels, 6 s learning")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_load.json"))
     args = p.parse_args()
     if args.quick:
-        args.seconds, args.learn_seconds = 2, 6
+        args.seconds, args.learn_seconds, args.rounds = 2, 6, 1
     if not shutil.which("wrk"):
         sys.exit("wrk (the C HTTP load generator) is not installed: apt-get install wrk")
     if "neighbour" in args.only and not shutil.which("sha256sum"):
@@ -190,50 +192,77 @@ def main() -> None:
     out = {"meta": {**vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
            "capacity_rps": None, "levels": {}, "oracle": {}, "neighbour": {}, "threads": {},
-           "failures": {}}
+           "rounds": {}, "failures": {}}
     levels, nb, failures = out["levels"], out["neighbour"], out["failures"]
     class_ms: dict[str, dict[str, float]] = {}
     mix_ms: dict[str, float] = {}
 
-    def serve(name: str, flags: list[str], mode: str | None, body, label: str) -> None:
-        """Start, learn (adaptive), run ``body``, report what it learned; a server that fails
-        is recorded and the run goes on."""
-        try:
-            with start(name, flags, mode) as server:
-                body(name, mode, server.url)
-                if mode:
-                    out["threads"][label] = server.threads()
-                    print(threads_summary(out["threads"][label]), flush=True)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            failures[label] = str(exc)
-            print(f"  {label}: FAILED: {exc}", flush=True)
+    def interleaved(servers: dict[str, Server], level: str, path: str, conns: int,
+                    table: dict, target: float | None = None) -> None:
+        """``--rounds`` rounds, each server once per round (the order rotates), so a drift
+        of the shared host falls on every server alike; the table keeps each server's
+        median per figure, the raw rounds go to ``out["rounds"]``."""
+        names = list(servers)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for i in range(args.rounds):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                runs[name].append(measure(name, level, servers[name].url, path, conns, target))
+        for name, rs in runs.items():
+            out["rounds"].setdefault(name, {})[level] = rs
+            med = {k: statistics.median(r[k] for r in rs)
+                   for k in ("rps", "p50_ms", "p99_ms", "mean_ms")}
+            table.setdefault(name, {})[level] = {
+                **med, "non_2xx": sum(r["non_2xx"] for r in rs), "target_rps": target}
 
-    def load_levels(name: str, mode: str | None, url: str) -> None:
-        if "levels" in args.only:
-            if out["capacity_rps"] is None:  # fixed 1 comes first
-                out["capacity_rps"] = measure(name, "capacity", url, mixed, 16)["rps"]
-            capacity, rows = out["capacity_rps"], levels.setdefault(name, {})
-            for conns in (1, 16):
-                rows[f"closed {conns}"] = measure(name, f"closed {conns}", url, mixed, conns)
-            for share in POISSON if capacity and math.isfinite(capacity) else ():
-                rate = share * capacity
-                path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
-                rows[f"poisson {share:.0%}"] = measure(name, f"poisson {share:.0%}", url, path,
-                                                       POISSON_CONNS, rate)
-        if "oracle" in args.only:
-            c1 = levels.get(name, {}).get("closed 1") or measure(name, "closed 1", url, mixed, 1)
-            mix_ms[name] = c1["mean_ms"]
-            if mode is None:
-                class_ms[name] = {c: measure(name, c, url, per_class[c], 1)["mean_ms"]
-                                  for c in per_class}
+    def up(specs, with_mode_1: bool = True) -> dict[str, Server]:
+        """Start the servers (adaptive ones learn, one at a time, the others idle)."""
+        servers = {}
+        for name, flags, mode in specs:
+            if mode == "1" and not with_mode_1:
+                continue
+            try:
+                servers[name] = start(name, flags, mode)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                failures[name] = str(exc)
+                print(f"  {name}: FAILED: {exc}", flush=True)
+        time.sleep(5)  # the last learner's shadows drain
+        return servers
 
-    def with_neighbour(name: str, mode: str | None, url: str) -> None:
-        nb[name] = {f"closed {c}": measure(name, f"closed {c}", url, mixed, c) for c in (16, 1)}
+    def down(servers: dict[str, Server], label: str = "") -> None:
+        for name, server in servers.items():
+            if name.startswith("mode"):
+                try:
+                    out["threads"][name + label] = report = server.threads()
+                    print(f"{name}{label}: " + threads_summary(report), flush=True)
+                except Exception as exc:  # noqa: BLE001 (a report is a bonus)
+                    print(f"  {name}: no report: {exc}", flush=True)
+            server.close()
 
     if {"levels", "oracle"} & set(args.only):
-        for name, flags, mode in SERVERS:
-            print(f"== {name}", flush=True)
-            serve(name, flags, mode, load_levels, name)
+        print("== every server up; levels measured in interleaved rounds", flush=True)
+        servers = up(SERVERS, "levels" in args.only)
+        try:
+            if "levels" in args.only or "oracle" in args.only:
+                interleaved(servers, "closed 1", mixed, 1, levels)
+            if "levels" in args.only:
+                interleaved(servers, "closed 16", mixed, 16, levels)
+                capacity = levels.get("fixed 1", {}).get("closed 16", {}).get("rps")
+                out["capacity_rps"] = capacity
+                for share in POISSON if capacity and math.isfinite(capacity) else ():
+                    rate = share * capacity
+                    path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
+                    interleaved(servers, f"poisson {share:.0%}", path, POISSON_CONNS, levels,
+                                rate)
+            if "oracle" in args.only:
+                fixed = {n: s for n, s in servers.items() if n.startswith("fixed")}
+                per = {}
+                for c in per_class:
+                    interleaved(fixed, c, per_class[c], 1, per)
+                class_ms.update({n: {c: per[n][c]["mean_ms"] for c in per_class}
+                                 for n in per})
+                mix_ms.update({n: levels[n]["closed 1"]["mean_ms"] for n in servers})
+        finally:
+            down(servers)
 
     oracle = None
     if len(class_ms) == 2:
@@ -246,8 +275,12 @@ def main() -> None:
         vouch()  # before the neighbour starts: the sweep checks bits, not time
         print("== neighbour: sha256sum /dev/zero, stopped/continued every 2 s", flush=True)
         with neighbour():
-            for name, flags, mode in (s for s in SERVERS if s[0] != "mode 1"):
-                serve(name, flags, mode, with_neighbour, f"{name} + neighbour")
+            servers = up(SERVERS, with_mode_1=False)  # mode 2 learns beside the neighbour
+            try:
+                for c in (16, 1):
+                    interleaved(servers, f"closed {c}", mixed, c, nb)
+            finally:
+                down(servers, " + neighbour")
 
     # ---- tables
     print()

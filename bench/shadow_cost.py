@@ -24,7 +24,7 @@ from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.shadows import idle_shadows, shadow_process
+from vllm_srun.tuner.shadows import ShadowProcess, idle_shadows
 
 
 def _row(tokens: int, rng: np.random.Generator) -> list[int]:
@@ -44,11 +44,17 @@ def run_once(model: str, backend_name: str, learn: str, rate: float, seconds: fl
     runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0))
     tuner = None
     if learn:
-        shadow_forward, close = (shadow_process(manifest, backend_name) if learn == "process"
-                                 else idle_shadows(backend))
+        pause = None
+        if learn == "thread":
+            shadow_forward, close = idle_shadows(backend)
+        else:  # what a deployment runs: a SCHED_IDLE process, frozen beside served forwards
+            proc = ShadowProcess(manifest, backend_name)
+            shadow_forward, close = proc.forward, proc.close
+            pause = proc.pause if learn == "process" else None
         tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("bench", "b", "b"), None,
                                 runner.engine.forward_batch, TunerSettings(),
-                                shadow_forward=shadow_forward, on_close=close)
+                                shadow_forward=shadow_forward, on_close=close,
+                                pause_shadows=pause)
         runner.engine.threads = tuner
         runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
         time.sleep(8)  # the shadow side loads and warms before traffic starts
@@ -90,9 +96,10 @@ def main() -> None:
     p.add_argument("--backend", default="onnxruntime")
     p.add_argument("--model", default="all-MiniLM-L6-v2")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--shadows", default="process,thread",
-                   help="where mode 1's shadows run: a SCHED_IDLE child process (what "
-                        "deployments use) and/or SCHED_IDLE threads in the worker")
+    p.add_argument("--shadows", default="process,unfrozen,thread",
+                   help="where mode 1's shadows run: a SCHED_IDLE child process frozen beside "
+                        "served forwards (what deployments use), the same never frozen, and/or "
+                        "SCHED_IDLE threads in the worker")
     args = p.parse_args()
     print("| load (req/s) | learning | p50 ms | p99 ms | shadows kept / discarded |")
     print("|---|---|---|---|---|")
@@ -109,7 +116,9 @@ def main() -> None:
             p99 = np.median([r["p99_ms"] for r in rs])
             kept = f"{sum(r['kept'] for r in rs)} / {sum(r['discarded'] for r in rs)}" \
                 if learn else "-"
-            name = f"mode 1, shadows in a {learn}" if learn else "off"
+            name = {"": "off", "process": "mode 1, shadows in a process, frozen beside served",
+                    "unfrozen": "mode 1, shadows in a process, never frozen",
+                    "thread": "mode 1, shadows on threads in the worker"}[learn]
             print(f"| {rate:.0f} | {name} | {p50:.2f} | {p99:.2f} | {kept} |", flush=True)
 
 

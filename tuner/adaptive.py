@@ -12,13 +12,14 @@ again later.
 
 Served forwards are samples too: while a range explores, each of its served forwards is timed
 at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
-length, or, where nothing can freeze it, only if no shadow ran beside it. Every served forward
-freezes the shadow side, except in mode 2 under saturating load (``explore_after`` served
-forwards in a row met a running shadow): then the forwards that are not samples leave shadows
-the CPU they do not use, so the transition window and the audits move on, and a range still
-exploring serves the counts it lacks samples for, in turn, where the voucher covers count and
-shape (the answer is the same at every vouched count; a shadow audits it at the configured
-count). So every range that load keeps reaching is learned while the load lasts.
+length, or, where nothing can freeze it, only if no shadow ran beside it. Other served forwards
+leave shadows running beside them in ``SCHED_IDLE`` (freezing for every forward was measured
+to cost more served latency than it saved). In mode 2 under saturating load
+(``explore_after`` served forwards in a row met a running shadow), a range still exploring
+serves the counts it lacks samples for, in turn, where the voucher covers count and shape (the
+answer is the same at every vouched count; a shadow audits it at the configured count). So
+every range that load keeps reaching is learned while the load lasts. The shadows at a count
+that matched served answers while the range explored count toward its transition window.
 
 Every shadow, timed or not, is compared bit for bit with the served answer. Equal: a
 comparison (and mode 2's transition window moves on). Any difference is drift: learning
@@ -304,12 +305,10 @@ class AdaptiveThreads:
     # -- ThreadsPolicy ---------------------------------------------------------------------
     def served_threads(self, batch: TokenBatch) -> int:
         """The count for a served forward about to start (it counts as running from now).
-        The shadow side is frozen (``pause_shadows``) while it runs, so no shadow shares the
-        CPU with it; only mode 2 under saturating load lets shadows run beside forwards that
-        are not timed (on CPU they leave), so its window and audits move on. A forward of a
-        range still exploring is a timing sample when frozen for, or when no shadow ran
-        beside it. Mode 2 under saturating load: a range still exploring serves a count it
-        lacks samples for, in turn, where the voucher covers it (the same answer, R4.8)."""
+        A forward of a range still exploring is a timing sample: the shadow side is frozen
+        (``pause_shadows``) while it runs, or else its time counts only if no shadow ran
+        beside it. Mode 2 under saturating load: such a range serves a count it lacks samples
+        for, in turn, where the voucher covers it (the same answer, R4.8)."""
         with self.lock:
             self._busy += 1
             self._epoch += 1
@@ -335,9 +334,7 @@ class AdaptiveThreads:
                 n = self.configured
             elif n != self._serving_count(lo):
                 self.explored += 1
-            frozen = self.pause_shadows is not None and (
-                exploring or self.mode is not AdaptiveMode.SERVE or not saturated
-                or n >= max(self.counts))  # it takes every core: a shadow would get none
+            frozen = self.pause_shadows is not None and exploring  # a timed forward
             if frozen:
                 self._paused += 1
                 self.pause_shadows(True)
@@ -372,7 +369,8 @@ class AdaptiveThreads:
                 self._paused -= 1
                 if not self._paused:
                     self.pause_shadows(False)
-            self.lock.notify_all()
+            if self._jobs:  # the shadow loop waits for no served forward to run
+                self.lock.notify_all()
             if result is None or self.locked_reason is not None or self.retired is not None:
                 return
             lo = size_range(batch.padded_tokens)[0]
@@ -406,6 +404,7 @@ class AdaptiveThreads:
             if counts:
                 self._jobs.pop(lo, None)  # the newest batch of a range goes to the back
                 self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
+                self.lock.notify_all()
 
     # -- shadows ---------------------------------------------------------------------------
     def pending_shadows(self) -> int:
