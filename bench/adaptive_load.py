@@ -16,6 +16,11 @@ all), then is measured; what it learned (``GET /v1/threads``) is printed after i
 Bodies are unique (the result cache never answers) and mixed: 70% short (~6 words), 25%
 passages (~40), 5% long (~150).
 
+Servers of a section are all up at once (the adaptive ones learn one after another while the
+others idle) and every level is measured in ``--rounds`` interleaved rounds, each server once
+per round in a rotating order, so the shared host's drift between minutes falls on all of
+them alike; tables show each server's median over the rounds.
+
 Sections (``--only``):
 
 - ``levels``: capacity = the learning-off server's req/s at 16 closed-loop connections; then
