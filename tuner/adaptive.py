@@ -14,12 +14,13 @@ Served forwards are samples too: while a range explores, each of its served forw
 at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
 length, or, where nothing can freeze it, only if no shadow ran beside it. Other served forwards
 leave shadows running beside them in ``SCHED_IDLE`` (freezing for every forward was measured
-to cost more served latency than it saved). In mode 2 under saturating load
-(``explore_after`` served forwards in a row met a running shadow), a range still exploring
+to cost more served latency than it saved). Mode 2 with a voucher: a range still exploring
 serves the counts it lacks samples for, in turn, where the voucher covers count and shape (the
-answer is the same at every vouched count; a shadow audits it at the configured count). So
-every range that load keeps reaching is learned while the load lasts. The shadows at a count
-that matched served answers while the range explored count toward its transition window.
+answer is the same at every vouched count; a shadow audits it at the configured count), so it
+times each count as served traffic runs it (normal priority, beside whatever the host runs;
+an idle-class shadow beside a CPU-bound neighbour gets no CPU and times badly), needs no gap,
+and every range that load keeps reaching is learned while the load lasts. The shadows at a
+count that matched served answers while the range explored count toward its window.
 
 Every shadow, timed or not, is compared bit for bit with the served answer. Equal: a
 comparison (and mode 2's transition window moves on). Any difference is drift: learning
@@ -90,8 +91,6 @@ class TunerSettings:
     max_samples: int = 48  # recent samples per count per range that decisions rest on
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
-    explore_after: int = 3  # mode 2: this many served forwards in a row met a shadow running:
-    # the load leaves shadows no gap, so ranges still exploring time their own forwards
 
 
 @dataclass
@@ -165,7 +164,6 @@ class AdaptiveThreads:
         self._timed: dict[int, tuple[bool, bool, int]] = {}
         self._paused = 0  # served forwards running with the shadow side frozen
         self.served_samples = 0  # samples taken from served forwards
-        self._starved = 0  # served forwards in a row that started while a shadow ran
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
         self._shadow_s = 0.0
         self._started = clock()
@@ -307,26 +305,20 @@ class AdaptiveThreads:
         """The count for a served forward about to start (it counts as running from now).
         A forward of a range still exploring is a timing sample: the shadow side is frozen
         (``pause_shadows``) while it runs, or else its time counts only if no shadow ran
-        beside it. Mode 2 under saturating load: such a range serves a count it lacks samples
-        for, in turn, where the voucher covers it (the same answer, R4.8)."""
+        beside it. Mode 2 with a voucher: such a range serves a count it lacks samples for,
+        in turn, where the voucher covers it (the same answer, R4.8)."""
         with self.lock:
             self._busy += 1
             self._epoch += 1
             lo = size_range(batch.padded_tokens)[0]
             n = self._serving_count(lo)
             r = self.ranges.get(lo)
-            if self._shadowing:
-                self._starved += 1
-            saturated = self._starved >= self.settings.explore_after
             exploring = r is not None and r.learned is None and self.locked_reason is None \
                 and self.retired is None
-            if exploring and self.mode is AdaptiveMode.SERVE and saturated:
-                if not r.explore_served:
-                    r.explore_served = True  # the load leaves shadows no clean gap
-                    log.info("threads_explore_served range=%d-%d served_forwards_beside_a_"
-                             "shadow=%d", lo, 2 * lo - 1, self._starved)
-                n = self._explore_count(r, n)
-            elif exploring and r.explore_served:
+            if exploring and self.mode is AdaptiveMode.SERVE and self.voucher.vouches:
+                if not r.explore_served:  # vouched: time each count on served forwards
+                    r.explore_served = True
+                    log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
                 n = self._explore_count(r, n)
             if n != self.configured and not self.voucher.covers(
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
@@ -456,7 +448,6 @@ class AdaptiveThreads:
             self.audits += 1
         r = self.ranges.setdefault(lo, RangeLearning())
         if clean:
-            self._starved = 0
             self._sample(lo, r, count, result.forward_s * 1000, job.batch.padded_tokens)
         else:
             self.discarded += 1

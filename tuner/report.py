@@ -78,8 +78,8 @@ def build(inp: ReportInput) -> dict:
                        "counts": per_count, "learned_threads": r.learned,
                        "speedup": round(up, 3) if up else None,
                        "verified_passes": r.streak, "state": range_state(inp, r).value,
-                       "timed_by": "its served forwards, at each count in turn (load left "
-                                   "shadows no gap)" if r.explore_served else
+                       "timed_by": "its served forwards, at each count in turn (mode 2, "
+                                   "vouched)" if r.explore_served else
                                    "shadows, and its served forwards at the count served"})
     notes = []
     if inp.mode is AdaptiveMode.SERVE and not inp.voucher.vouches:
