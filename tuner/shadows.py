@@ -1,9 +1,11 @@
 """Where shadow forwards run (R4.5 amended): in ``SCHED_IDLE``, where a served forward
 preempts them.
 
-``shadow_process`` (what a deployment uses): a child process that puts itself in
+``ShadowProcess`` (what a deployment uses): a child process that puts itself in
 ``SCHED_IDLE`` before it loads its own copy of the backend, so every thread it makes (its
-lanes, onnxruntime's session pools, torch's OpenMP teams) inherits the policy. It shares no
+lanes, onnxruntime's session pools, torch's OpenMP teams) inherits the policy. The tuner
+freezes it (``pause``: SIGSTOP) while a served forward it times runs; it dies with its
+worker even while frozen (PR_SET_PDEATHSIG with SIGKILL). It shares no
 lock with the worker, not even Python's GIL: a shadow thread of the worker's own process that
 held the GIL while the kernel starved it (SCHED_IDLE on a busy host) would stall the served
 forward waiting for the GIL (measured: served p99 12x worse on this shared host).
