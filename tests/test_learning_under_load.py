@@ -50,7 +50,7 @@ def test_a_frozen_shadow_process_runs_nothing_until_thawed():
     try:
         batch = pad([row(200)])
         first = shadows.forward(batch, 1)  # loaded and warm
-        shadows.pause(True)
+        assert shadows.pause(True)
         pending = pool.submit(shadows.forward, batch, 2)
         time.sleep(0.5)
         ticks = proc_stat(pid)[11:13]
@@ -122,9 +122,9 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     shadows = ShadowProcess(manifest, "onnxruntime")
     pauses: list[bool] = []
 
-    def pause(frozen: bool) -> None:
+    def pause(frozen: bool) -> bool:
         pauses.append(frozen)
-        shadows.pause(frozen)
+        return shadows.pause(frozen)
 
     forwards = []
     runner = Runner(manifest, backend, EngineArgs(num_threads=1, max_num_seqs=8,

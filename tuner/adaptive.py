@@ -107,7 +107,7 @@ class RangeLearning:
     # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
     baselines: dict[tuple[int, str], float] = field(default_factory=dict)
     recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
-    explore_served: bool = False  # mode 2 under load: its own served forwards are the samples
+    explore_served: bool = False  # mode 2, vouched: its own served forwards time each count
     # count -> served batches on which it and the configured count agreed (one served, the
     # other a shadow): a learned count's transition window counts them from the start
     verified: dict[int, int] = field(default_factory=dict)
@@ -136,14 +136,14 @@ class AdaptiveThreads:
                  shadow_forward: Forward | None = None,
                  on_close: Callable[[], None] | None = None,
                  worker: str | None = None,
-                 pause_shadows: Callable[[bool], None] | None = None) -> None:
+                 pause_shadows: Callable[[bool], bool] | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.scope, self.record, self.forward = scope, record, forward
         self.shadow_forward = shadow_forward or forward
         self.settings = settings or TunerSettings()
         self.clock = clock
         self.on_close = on_close
-        self.pause_shadows = pause_shadows  # freezes (True) and thaws the shadow side
+        self.pause_shadows = pause_shadows  # freezes (True) and thaws; says if it is frozen
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.locked_reason: str | None = "golden check has not run"
         self.record_error: str | None = None
@@ -326,10 +326,10 @@ class AdaptiveThreads:
                 n = self.configured
             elif n != self._serving_count(lo):
                 self.explored += 1
-            frozen = self.pause_shadows is not None and exploring  # a timed forward
+            frozen = self.pause_shadows is not None and exploring and \
+                self.pause_shadows(True)  # a timed forward: freeze the shadow side
             if frozen:
                 self._paused += 1
-                self.pause_shadows(True)
             self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
                                       self._shadow_epoch)
             return n
@@ -532,8 +532,7 @@ class AdaptiveThreads:
                      lo, 2 * lo - 1, key[0], key[1], float(np.median(recent)) / baseline)
             keep = r.learned if r.serving and key[1] == "shadow" else None  # not if it slowed
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
-                                            keep_serving=keep,
-                                            explore_served=r.explore_served)
+                                            keep_serving=keep)
             self._jobs.pop(lo, None)
 
     def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:

@@ -77,15 +77,20 @@ class ShadowProcess:
             raise RuntimeFault(f"shadow forward failed: {payload}")
         return ForwardResult(*payload)
 
-    def pause(self, frozen: bool) -> None:
+    def pause(self, frozen: bool) -> bool:
         """Freeze the child (SIGSTOP) while a served forward that is timed runs, and thaw it
-        (SIGCONT) after: a shadow then takes no CPU, cache or memory bandwidth from it."""
-        if frozen and not self._frozen_ok:  # not before it dies with this process
+        (SIGCONT) after: a shadow then takes no CPU, cache or memory bandwidth from it.
+        Returns whether the child is now frozen (never before it dies with this process,
+        nor once it is gone)."""
+        if frozen and not self._frozen_ok:
             if not self._armed.is_set():
-                return
+                return False
             self._frozen_ok = True
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.kill(self.process.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        except ProcessLookupError:
+            return False
+        return frozen
 
     def close(self) -> None:
         self.pause(False)
