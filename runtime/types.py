@@ -82,6 +82,9 @@ class ForwardResult:
     num_threads: int  # the count the forward stated
     observed_threads: int  # the count observed from inside the forward
     forward_s: float
+    # seconds its threads spent runnable but not running, summed (another task had their
+    # CPU: its time is not the count's); None where not measured
+    waited_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.policy import preempted
 from vllm_srun.tuner.shadows import ShadowProcess
 from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
@@ -104,6 +105,65 @@ def test_a_frozen_shadow_process_dies_with_its_worker(tmp_path):
         worker.wait(30)
 
 
+def hog() -> subprocess.Popen:
+    """A CPU-bound neighbour at normal priority (a real one: the kernel schedules it)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_path):
+    """R4.5: an idle-class shadow at 2 threads beside a CPU-bound neighbour loses a CPU to it
+    and runs many times slower; its time is the neighbour's, not the count's. The shadow
+    process measures how long its threads waited (schedstat) and the tuner keeps no such
+    sample; once the neighbour leaves, the count is timed."""
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    shadows = ShadowProcess(manifest, "onnxruntime")
+    runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0))
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2),
+                            Scope("test-host", manifest.revision, "onnxruntime"),
+                            HostRecord(tmp_path / "r.sqlite"), runner.engine.forward_batch,
+                            TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
+                            shadow_forward=shadows.forward, on_close=shadows.close,
+                            pause_shadows=shadows.pause)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    lo = size_range(120)[0]
+
+    def samples(n: int) -> int:
+        return len(tuner.ranges[lo].samples.get(n, ())) if lo in tuner.ranges else 0
+
+    neighbour = None
+    try:
+        batch = pad([row(120)])
+        quiet = [shadows.forward(batch, 2) for _ in range(5)]
+        assert all(r.waited_s is not None for r in quiet)
+        assert any(not preempted(r.forward_s, r.waited_s) for r in quiet), \
+            [(r.forward_s, r.waited_s) for r in quiet]
+        neighbour = hog()
+        time.sleep(0.3)
+        busy = shadows.forward(batch, 2)
+        assert preempted(busy.forward_s, busy.waited_s), (busy.forward_s, busy.waited_s)
+        for i in range(6):  # paced: each batch's shadows run before the next
+            runner.engine.submit([row(120, i)]).result(timeout=60)
+            wait_until(lambda i=i: tuner.pending_shadows() == 0 or tuner.preempted > i, 60)
+        assert tuner.preempted >= 1 and samples(2) == 0, (tuner.preempted, samples(2))
+        assert tuner.comparisons >= 1  # still compared bit for bit, only not timed
+        neighbour.kill()
+        neighbour.wait(10)
+        neighbour = None
+        for i in range(6, 30):
+            runner.engine.submit([row(120, i)]).result(timeout=60)
+            if samples(2) >= 3:
+                break
+            wait_until(lambda: tuner.pending_shadows() == 0, 60)
+        assert samples(2) >= 1 and tuner.retired is None
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait(10)
+        runner.stop()
+
+
 def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_lasts(tmp_path):
     """16 clients keep the engine busy; its micro-batches reach ranges no single request
     does. Every range the load keeps reaching gets a learned count before it stops; served
@@ -123,8 +183,10 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     pauses: list[bool] = []
 
     def pause(frozen: bool) -> bool:
-        pauses.append(frozen)
-        return shadows.pause(frozen)
+        done = shadows.pause(frozen)
+        if done or not frozen:  # not a freeze asked before the child can die with us
+            pauses.append(frozen)
+        return done
 
     forwards = []
     runner = Runner(manifest, backend, EngineArgs(num_threads=1, max_num_seqs=8,

@@ -18,6 +18,7 @@ from vllm_srun.tuner.policy import (
     learned_count,
     losing_counts,
     moved,
+    preempted,
     shadow_plan,
 )
 
@@ -93,6 +94,15 @@ def test_a_shadow_is_a_sample_only_if_no_served_forward_ran_during_it():
     assert not clean_window(1, 10, 10)  # one was running when it started
     assert not clean_window(0, 10, 11)  # one started during it
     assert not clean_window(0, 10, 12)  # one started and ended during it
+
+
+def test_a_shadow_whose_threads_waited_for_a_cpu_is_not_a_sample():
+    """R4.5: waiting is measured in the shadow process (schedstat); None: not measured."""
+    assert not preempted(0.010, None)
+    assert not preempted(0.010, 0.0004)  # wake-up latency on a quiet host (<0.05 measured)
+    assert not preempted(0.001, 0.0001)  # a short forward's floor
+    assert preempted(0.010, 0.0025)
+    assert preempted(0.024, 0.024)  # 2 threads beside a CPU-bound process: 1.0 measured
 
 
 def test_counts_far_behind_after_their_first_samples_need_no_more():

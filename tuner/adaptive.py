@@ -7,8 +7,9 @@ range) listing the counts still to run on it (``policy.shadow_plan``). Jobs run 
 of the tuner's own in ``SCHED_IDLE`` (``ShadowLoop`` hands them over): the kernel gives shadows
 only CPU time no served forward wants, and no lock a served forward needs is held across a
 shadow. A shadow starts only while no served forward runs; if one ran at any moment of it, its
-time is not a sample (``policy.clean_window``) and the count stays due, so the batch is run
-again later.
+time is not a sample (``policy.clean_window``), nor is it if its threads waited for CPUs that
+any other task held (``policy.preempted``: the frontend, a neighbour, another worker's load);
+the count stays due, so the batch is run again later.
 
 Served forwards are samples too: while a range explores, each of its served forwards is timed
 at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
@@ -68,6 +69,7 @@ from vllm_srun.tuner.policy import (
     counts_needing_samples,
     learned_count,
     moved,
+    preempted,
     shadow_plan,
 )
 from vllm_srun.tuner.shadows import ShadowLoop
@@ -152,6 +154,7 @@ class AdaptiveThreads:
         self.comparisons = 0
         self.audits = 0  # verified shadows of forwards served at a learned count
         self.discarded = 0  # shadows whose time overlapped a served forward
+        self.preempted = 0  # shadows whose threads waited for CPUs other tasks held
         self.uncovered = 0  # forwards kept at the configured count: the voucher lacks the shape
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self._jobs: dict[int, _Job] = {}
@@ -420,7 +423,13 @@ class AdaptiveThreads:
         result = self.run_shadow(job.batch, count)
         with self.lock:
             self._shadow_s += self.clock() - began  # wall time, whatever the forward reports
-            self._after_shadow(lo, job, count, result, clean_window(0, epoch, self._epoch))
+            clean = clean_window(0, epoch, self._epoch)
+            if not clean:
+                self.discarded += 1
+            elif preempted(result.forward_s, result.waited_s):
+                self.preempted += 1
+                clean = False
+            self._after_shadow(lo, job, count, result, clean)
         return True
 
     def run_shadow(self, batch: TokenBatch, count: int) -> ForwardResult:
@@ -449,8 +458,6 @@ class AdaptiveThreads:
         r = self.ranges.setdefault(lo, RangeLearning())
         if clean:
             self._sample(lo, r, count, result.forward_s * 1000, job.batch.padded_tokens)
-        else:
-            self.discarded += 1
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)

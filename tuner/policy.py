@@ -92,6 +92,16 @@ def clean_window(busy_at_start: int, epoch_at_start: int, epoch_at_end: int) -> 
     return busy_at_start == 0 and epoch_at_start == epoch_at_end
 
 
+def preempted(forward_s: float, waited_s: float | None, share: float = 0.1,
+              floor_s: float = 1e-4) -> bool:
+    """A shadow's threads waited for a CPU another task held for more than ``share`` of its
+    time (plus ``floor_s`` of wake-up latency): its time says how busy the host was, not how
+    fast the count is, so it is not a sample (R4.5). An idle-class shadow loses its CPU to
+    any task of any other class (the frontend, a neighbour, another worker) and a count above
+    1 stalls on its slowest thread: such samples made 2 threads look 3-100x slower than 1."""
+    return waited_s is not None and waited_s > share * forward_s + floor_s
+
+
 def shadow_plan(need: Sequence[int], window_due: bool, learned: int | None,
                 served: int, counts: Sequence[int], served_at_learned: int,
                 probe_every: int) -> list[int]:

@@ -43,6 +43,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                        t.uncovered, {
                            "shadow_comparisons": t.comparisons, "audits": t.audits,
                            "shadows_overlapped_not_timed": t.discarded,
+                           "shadows_preempted_not_timed": t.preempted,
                            "served_forwards_timed": t.served_samples,
                            "forwards_served_to_time_a_count": t.explored})
 
