@@ -92,9 +92,11 @@ def test_a_neighbour_is_tracked_within_180_s_of_arriving_and_of_leaving(seed):
     threads alone and 2 beside it (the served count slows by more than the 1.5x relearning
     factor); short ones want 2 throughout. A neighbour that costs the served count less than
     the factor is not tracked. Measured (seeds 1-3, 12 forwards/s, a fifth of them long):
-    settled 8-11 s after it arrived (the range times its own served forwards at each count,
-    and the shadows that matched them count toward the window) and 67-89 s after it left
-    (probes at the other counts come every 8th forward of the range, 4 per check)."""
+    settled 14.5-21 s after it arrived (at once it serves the count below the learned one
+    that looks fastest now, stepping down as each is seen slow; after 10 s the range
+    relearns from its own served forwards, and the shadows that matched them count toward
+    the window) and 81-92 s after it left (probes at the other counts come every 8th forward
+    of the range, 4 per check)."""
     model = TimeModel(16)
     trace = poisson_trace(12, 900, SIZES, seed=seed)
     outcome = SimulatedHost(model, [Neighbour(14, 300, 600)], seed=seed).run(trace)
@@ -102,6 +104,7 @@ def test_a_neighbour_is_tracked_within_180_s_of_arriving_and_of_leaving(seed):
     before = settled_s(model, outcome, trace, 1024, 150, 300, 16)
     beside = settled_s(model, outcome, trace, 1024, 300, 600, 2)
     after = settled_s(model, outcome, trace, 1024, 600, 900, 16)
+    print(f"seed {seed}: settled {beside:.1f} s after arriving, {after:.1f} s after leaving")
     assert before == 0.0 and beside <= 30 and after <= 180, (beside, after)
     for start, end, free in ((150, 300, 16), (300, 600, 2), (600, 900, 16)):
         assert settled_s(model, outcome, trace, 16, start, end, free) == 0.0  # short: kept
@@ -114,13 +117,13 @@ def test_a_neighbour_is_tracked_within_180_s_of_arriving_and_of_leaving(seed):
 def test_on_a_shifting_load_adaptive_beats_every_fixed_count(cores, taken, latency_gain, seed):
     """Mean served forward time of mode 2 against every fixed allowed count on the same
     trace, and mean latency (queueing included). Measured, over the 3 seeds: 16 cores
-    1.049-1.054x faster forwards, latency 1.063-1.07x; 64 cores 1.067-1.072x forwards,
-    latency 1.073-1.092x (before served forwards timed themselves: 0.965-0.99x, queueing at
-    the configured 16 while shadows beside the neighbour kept overlapping); 4 cores (a
-    quarter of the traffic) 1.26-1.29x forwards, 1.25-1.29x latency. Mode 2 times every
-    count on served forwards (4-5% of them here), which costs it a little against shadows in
-    this model, where a shadow beside a neighbour times as a served forward would; on a real
-    host an idle-class shadow beside a CPU-bound neighbour gets no CPU."""
+    1.054-1.077x faster forwards, latency 1.070-1.101x; 64 cores 1.067-1.075x forwards,
+    latency 1.074-1.089x; 4 cores (a quarter of the traffic) 1.264-1.278x forwards,
+    1.255-1.268x latency. Beside the neighbour, shadows at more threads than the cores left
+    wait for them and are not samples (as on a real host, where an idle-class shadow there
+    gets next to no CPU); the learned count, slowed, gives way at once to the fastest count
+    below it (contention), and the range relearns from its own served forwards (4-5% of
+    them served at a count to time it) once the neighbour has stayed 10 s."""
     model, neighbours = TimeModel(cores), [Neighbour(taken, 300, 600)]
     trace = shifting_trace(seed)
     if cores == 4:  # a 4-core host takes a quarter of the traffic
@@ -134,6 +137,35 @@ def test_on_a_shifting_load_adaptive_beats_every_fixed_count(cores, taken, laten
           f"best fixed count")
     assert served >= 1.04, {n: np.mean(f.served_ms) for n, f in fixed.items()}
     assert latency >= latency_gain
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_beside_a_neighbour_on_half_the_time_mode2_beats_every_fixed_count(seed):
+    """2 cores (this host's shape), configured 1 thread, learned 2; a neighbour takes one
+    core for 2 s out of every 4. Alone, 2 threads win by 1.47x on long inputs; beside it
+    they run 1.6x slower than 1 thread. Mode 2 serves 1 thread while 2 threads run slower
+    than 1 would (contention followed within a few forwards; a forward at 2 threads every
+    0.25 s says when it is over), and never relearns over a neighbour this brief. Measured
+    (seeds 1-3): forwards 1.046-1.058x the best fixed count's (fixed 1), latency 1.00-1.02x;
+    without following contention 0.86-0.87x (fixed 2's times). With 10 s on, 10 s off:
+    1.078-1.093x forwards, latency 1.04-1.10x."""
+    model = TimeModel(2)
+    neighbours = [Neighbour(1, t, t + 2) for t in range(60, 600, 4)]
+    trace = poisson_trace(15, 600, [16, 64, 256, 512], seed=seed)
+    host = SimulatedHost(model, neighbours, seed=seed)
+    adaptive = host.run(trace)
+    fixed = {n: SimulatedHost(model, neighbours, fixed=n, seed=seed).run(trace)
+             for n in (1, 2)}
+
+    def mean_ms(o) -> float:  # once learned (the first minute is quiet)
+        return float(np.mean([ms for ms, at in zip(o.served_ms, o.at_s, strict=True)
+                              if at >= 60]))
+
+    best = min(mean_ms(f) for f in fixed.values())
+    assert best / mean_ms(adaptive) >= 1.02, (best, mean_ms(adaptive))
+    assert adaptive.relearns == 0
+    assert host.tuner.contended > 0 and host.tuner.contention_probes > 0
+    assert all(r.learned == 2 and r.serving for r in host.tuner.ranges.values())
 
 
 @pytest.mark.parametrize(("serial", "speedup"), [(0.25, 3.0), (0.07, 6.0)])

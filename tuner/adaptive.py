@@ -54,6 +54,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -93,6 +94,13 @@ class TunerSettings:
     max_samples: int = 48  # recent samples per count per range that decisions rest on
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
+    # mode 2 under contention: a learned count that now runs slower than a count below it
+    # would (host-wide slowdowns of each count, served forwards)
+    contention_slowdown: float = 1.25  # once it runs this much slower than when learned
+    contention_margin: float = 0.1  # ... by this much: that count serves meanwhile,
+    contention_probe_s: float = 0.25  # one forward at the learned count this often tells when
+    contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
+    contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
 
 
 @dataclass
@@ -113,6 +121,7 @@ class RangeLearning:
     # count -> served batches on which it and the configured count agreed (one served, the
     # other a shadow): a learned count's transition window counts them from the start
     verified: dict[int, int] = field(default_factory=dict)
+    contended_since: float | None = None  # serving the configured count under contention
 
 
 @dataclass
@@ -168,6 +177,12 @@ class AdaptiveThreads:
         self._paused = 0  # served forwards running with the shadow side frozen
         self.served_samples = 0  # samples taken from served forwards
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
+        self.contended = 0  # mode 2: forwards served at the configured count under contention
+        self.contention_probes = 0  # ... and at the learned count meanwhile, to see it end
+        # count -> the last few served forwards' time over the range's time at that count
+        # when learned (per token): how much slower each count runs on the host now
+        self._slowdowns: dict[int, deque[tuple[float, float]]] = {}  # (when, slowdown)
+        self._last_probe = -1e9
         self._shadow_s = 0.0
         self._started = clock()
         self._last_flush = clock()
@@ -316,6 +331,10 @@ class AdaptiveThreads:
             lo = size_range(batch.padded_tokens)[0]
             n = self._serving_count(lo)
             r = self.ranges.get(lo)
+            contention = None
+            if r is not None and r.serving and n == r.learned:
+                n, contention = self._under_contention(lo, r)
+                r = self.ranges[lo]
             exploring = r is not None and r.learned is None and self.locked_reason is None \
                 and self.retired is None
             if exploring and self.mode is AdaptiveMode.SERVE and self.voucher.vouches:
@@ -327,6 +346,10 @@ class AdaptiveThreads:
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
                 self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
                 n = self.configured
+            elif contention == "fallback":
+                self.contended += 1
+            elif contention == "probe":
+                self.contention_probes += 1
             elif n != self._serving_count(lo):
                 self.explored += 1
             frozen = self.pause_shadows is not None and exploring and \
@@ -334,8 +357,57 @@ class AdaptiveThreads:
             if frozen:
                 self._paused += 1
             self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
-                                      self._shadow_epoch)
+                                      self._shadow_epoch, contention)
             return n
+
+    def _slowdown(self, n: int) -> float:
+        """The median of the last few served forwards at ``n`` over their ranges' times at
+        ``n`` when learned (per token), from the last ``contention_fresh_s``; 1.0 (the host
+        as it was when learned) when there are none."""
+        since = self.clock() - self.settings.contention_fresh_s
+        kept = [x for at, x in self._slowdowns.get(n, ()) if at >= since]
+        return float(np.median(kept)) if kept else 1.0
+
+    def _under_contention(self, lo: int, r: RangeLearning) -> tuple[int, str | None]:
+        """Mode 2, a range serving its learned count L: each count's time when learned
+        times how much slower that count runs on the host now (served forwards, any range)
+        says what it would take now. When L runs ``contention_slowdown`` slower than it did
+        (beyond noise) and a vouched count below it would now be faster by
+        ``contention_margin`` (a neighbour took a core: here 2 threads ran 2x slower beside
+        one CPU-bound process, 1 thread not at all), the fastest such count serves
+        meanwhile, and one forward every ``contention_probe_s`` at L tells when that is over
+        (a neighbour that comes and goes in seconds is followed within a second). Still so
+        after ``contention_relearn_s``: the range relearns under what the host is now.
+        Returns the count and why (None, "fallback" or "probe")."""
+        s, big = self.settings, r.learned
+
+        def now_ms(n: int) -> float | None:
+            base = r.baselines.get((n, "shadow"))
+            return None if base is None else base * self._slowdown(n)
+
+        at_big = now_ms(big)
+        below = [(ms, n) for n in self.counts if n < big and (ms := now_ms(n)) is not None
+                 and self.voucher.covers_counts(n, self.configured)]
+        if at_big is None or not below or self._slowdown(big) < s.contention_slowdown or \
+                at_big <= min(below)[0] * (1 + s.contention_margin):
+            r.contended_since = None
+            return big, None
+        small = min(below)[1]
+        now = self.clock()
+        if r.contended_since is None:
+            r.contended_since = now
+            log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
+                     2 * lo - 1, small, self._slowdown(big))
+        elif now - r.contended_since > s.contention_relearn_s:
+            log.info("threads_relearn range=%d-%d contended_s=%.0f", lo, 2 * lo - 1,
+                     now - r.contended_since)
+            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1)
+            self._jobs.pop(lo, None)
+            return self.configured, None
+        if now - self._last_probe >= s.contention_probe_s:
+            self._last_probe = now
+            return big, "probe"
+        return small, "fallback"
 
     def _explore_count(self, r: RangeLearning, serving: int) -> int:
         """The count with the fewest samples among those a range still needs (ties: the one
@@ -359,7 +431,7 @@ class AdaptiveThreads:
         with self.lock:
             self._busy = max(0, self._busy - 1)
             self._epoch += 1
-            timed = self._timed.pop(id(batch), (False, False, -1))
+            timed = self._timed.pop(id(batch), (False, False, -1, None))
             if timed[0]:
                 self._paused -= 1
                 if not self._paused:
@@ -372,11 +444,21 @@ class AdaptiveThreads:
             r = self.ranges.setdefault(lo, RangeLearning())
             s = self.settings
             if r.learned is not None:
-                self._watch(lo, r, (result.num_threads, "served"),
-                            result.forward_s * 1000 / batch.padded_tokens, s.relearn_window)
+                per_token = result.forward_s * 1000 / batch.padded_tokens
+                if (base := r.baselines.get((result.num_threads, "shadow"))) is not None:
+                    kept = self._slowdowns.setdefault(result.num_threads, deque(maxlen=5))
+                    if timed[3] == "probe" and per_token / base < s.contention_slowdown:
+                        kept.clear()  # one probe that ran as fast as when learned: over
+                    kept.append((self.clock(), per_token / base))
+                if timed[3] is None and not (r.serving and result.num_threads == r.learned
+                                             > min(self.counts)):
+                    # a served count that contention can fall back from relearns by
+                    # ``contention_relearn_s`` instead (a brief neighbour: no relearning)
+                    self._watch(lo, r, (result.num_threads, "served"), per_token,
+                                s.relearn_window)
                 r = self.ranges[lo]
-            elif timed[1] and timed[2] == self._shadow_epoch:
-                self.served_samples += 1  # no shadow ran beside it: a clean sample
+            elif timed[0] or (timed[1] and timed[2] == self._shadow_epoch):
+                self.served_samples += 1  # shadows frozen, or none ran beside it: clean
                 self._sample(lo, r, result.num_threads, result.forward_s * 1000,
                              batch.padded_tokens)
                 r = self.ranges[lo]
@@ -423,13 +505,13 @@ class AdaptiveThreads:
         result = self.run_shadow(job.batch, count)
         with self.lock:
             self._shadow_s += self.clock() - began  # wall time, whatever the forward reports
-            clean = clean_window(0, epoch, self._epoch)
+            clean, before = clean_window(0, epoch, self._epoch), self.preempted
             if not clean:
                 self.discarded += 1
             elif preempted(result.forward_s, result.waited_s):
                 self.preempted += 1
                 clean = False
-            self._after_shadow(lo, job, count, result, clean)
+            self._after_shadow(lo, job, count, result, clean, retry=self.preempted == before)
         return True
 
     def run_shadow(self, batch: TokenBatch, count: int) -> ForwardResult:
@@ -445,7 +527,7 @@ class AdaptiveThreads:
                 self._shadow_epoch += 1
 
     def _after_shadow(self, lo: int, job: _Job, count: int, result: ForwardResult,
-                      clean: bool) -> None:
+                      clean: bool, retry: bool = True) -> None:
         if self.retired is not None:
             return
         if not np.array_equal(output_bits(result.outputs), output_bits(job.outputs)):
@@ -461,9 +543,11 @@ class AdaptiveThreads:
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)
-        if r.learned is None and count in counts_needing_samples(
+        if retry and r.learned is None and count in counts_needing_samples(
                 r.samples, self.counts, self.settings.min_samples):
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
+            # (not after it waited for CPUs other tasks held: they likely still do; the
+            # range's next served batch brings the count again)
         if not job.counts and self._jobs.get(lo) is job:
             del self._jobs[lo]
         pair = {count, job.served_threads}

@@ -30,7 +30,7 @@ class ReportInput:
     record_error: str | None = None
     shadow_error: str | None = None
     uncovered: int = 0  # forwards kept at the configured count: shape not vouched for
-    learning: dict[str, int] = field(default_factory=dict)  # what timed and checked what
+    learning: dict[str, object] = field(default_factory=dict)  # what timed and checked what
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -38,6 +38,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
     with t.lock:
         ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
                   for lo, r in t.ranges.items()}
+        slowdown = {str(n): round(t._slowdown(n), 3) for n in sorted(t._slowdowns)}
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
                        t.locked_reason, record_path, t.record_error, t.shadow_error,
                        t.uncovered, {
@@ -45,7 +46,10 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "shadows_overlapped_not_timed": t.discarded,
                            "shadows_preempted_not_timed": t.preempted,
                            "served_forwards_timed": t.served_samples,
-                           "forwards_served_to_time_a_count": t.explored})
+                           "forwards_served_to_time_a_count": t.explored,
+                           "forwards_served_at_configured_under_contention": t.contended,
+                           "contention_probes": t.contention_probes,
+                           "slowdown_now": slowdown})
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:

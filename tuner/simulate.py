@@ -13,7 +13,8 @@ sync 0.224 ms per extra thread. Times get a small seeded lognormal noise.
 The engine is one served forward at a time, in arrival order; shadows run in the gaps (the
 tuner's ``step``). A shadow that would run past the next arrival has that served forward
 start during it, as on a real host, so the tuner sees the overlap and does not keep the
-sample. A neighbour takes ``k`` cores over ``[start_s, end_s)``.
+sample. A neighbour takes ``k`` cores over ``[start_s, end_s)``; a shadow at more threads than
+the cores left waits for them (the time its process would measure), so it is not a sample.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class SimulatedHost:
             self.tuner = AdaptiveThreads(mode, self.configured, self.counts,
                                          Scope("sim", "sim", "sim"), None, self._never,
                                          settings, clock=lambda: self.now_s,
-                                         shadow_forward=self._shadow)
+                                         shadow_forward=self._shadow,
+                                         pause_shadows=lambda frozen: frozen)
             self.tuner.locked_reason = None  # no golden check to run on a model
             big = 1 << 30  # a modelled host: every count and shape vouched for
             self.tuner.voucher = Voucher(1, 0, True, (Coverage(tuple(self.counts), big, 1, big,
@@ -131,6 +133,7 @@ class SimulatedHost:
 
     def _shadow(self, batch: TokenBatch, n: int) -> ForwardResult:
         ms = self._ms(batch.padded_tokens, n, self.now_s)
+        free = self.free_cores(self.now_s)  # as its time: the cores left when it starts
         end_s = self.now_s + ms / 1000
         nxt = self._next
         if nxt is not None and end_s > nxt.at_s and self._early is None:
@@ -140,7 +143,10 @@ class SimulatedHost:
                            self.tuner.explored > explored)
         else:
             self.now_s = end_s
-        return ForwardResult(_outputs(batch.padded_tokens), n, n, ms / 1000)
+        # an idle-class shadow with more threads than free cores waits for the neighbour's
+        # (a real one gets next to no CPU there; its process measures the wait)
+        waited = ms / 1000 * (n - free) if n > free else 0.0
+        return ForwardResult(_outputs(batch.padded_tokens), n, n, ms / 1000, waited)
 
     def run(self, trace: Sequence[Arrival]) -> Outcome:
         out = Outcome()
