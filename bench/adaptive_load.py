@@ -3,7 +3,8 @@ one run, with the targets of the adaptive-threads work judged side by side at th
 
     python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--learn-seconds 60]
                                   [--max-num-batched-tokens 512] [--only levels oracle neighbour]
-                                  [--quick] [--out bench/results/adaptive_load.json]
+                                  [--quick] [--voucher PATH]
+                                  [--out bench/results/adaptive_load.json]
 
 Servers (``vllm-srun serve``, all with ``--max-num-seqs 32`` and the same
 ``--max-num-batched-tokens``): fixed 1 thread (the default on this 2-core host: learning
@@ -130,6 +131,9 @@ def main() -> None:
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
     p.add_argument("--quick", action="store_true", help="smoke pass: 2 s levels, 6 s learning")
+    p.add_argument("--voucher", help="a record that `threads verify` vouched for with the same "
+                   "model and batch limits: reused if it exists, made there if not (the sweep "
+                   "takes minutes)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_load.json"))
     args = p.parse_args()
     if args.quick:
@@ -150,12 +154,13 @@ def main() -> None:
     mixed = script("mixed")
     per_class = {name: script(name, mix=((name, 1.0, words),)) for name, _, words in MIX}
 
-    voucher, vouched = tmp / "voucher.sqlite", tmp / "voucher.ok"
+    voucher = Path(args.voucher) if args.voucher else tmp / "voucher.sqlite"
+    vouched = voucher.with_name(voucher.name + ".ok")  # the sweep finished
 
     def vouch() -> None:
         """``threads verify`` once (minutes) into a record that holds only the voucher."""
         if not vouched.exists():
-            for old in tmp.glob("voucher.sqlite*"):  # a failed sweep's leftovers
+            for old in voucher.parent.glob(voucher.name + "*"):  # a failed sweep's leftovers
                 old.unlink()
             t0 = time.monotonic()
             print("threads verify ...", end=" ", flush=True)

@@ -250,3 +250,67 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     if any(r.explore_served for r in tuner.ranges.values()):
         assert during[2] > 0 and any(f.num_threads == 2 for f in forwards)
     assert not os.path.exists(f"/proc/{shadows.process.pid}/task")  # closed: gone
+
+
+def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(tmp_path):
+    """Mode 2 serving a learned 2 threads (vouched): a CPU-bound neighbour takes a core and
+    2 threads run ~2x slower while 1 thread does not slow; mode 2 serves 1 thread within a
+    few forwards, probing 2 threads every 0.25 s, and serves 2 again once the neighbour
+    leaves. A neighbour this brief relearns nothing. Real L3 on onnxruntime, a real
+    neighbour process, the real SCHED_IDLE shadow process."""
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    record = HostRecord(tmp_path / "r.sqlite")
+    scope = Scope("test-host", manifest.revision, "onnxruntime")
+    plan = plan_sweep(ShapeBounds(max_rows=1, max_len=130, max_padded=130))
+    swept = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
+    assert swept.mismatches == 0
+    record.add_voucher(scope, "verify", swept.comparisons, 0, plan.coverage((1, 2)))
+    shadows = ShadowProcess(manifest, "onnxruntime")
+    forwards = []
+    runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0),
+                    on_forward=forwards.append)
+    tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), scope, record,
+                            runner.engine.forward_batch,
+                            TunerSettings(min_samples=6, window=3, budget_fraction=1.0),
+                            shadow_forward=shadows.forward, on_close=shadows.close,
+                            pause_shadows=shadows.pause)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    lo = size_range(128)[0]
+    salt = iter(range(10**6))
+
+    def serve(n: int) -> list[int]:
+        """Counts of ``n`` forwards of 128 padded tokens, one client."""
+        start = len(forwards)
+        for _ in range(n):
+            runner.engine.submit([row(128, next(salt))]).result(timeout=60)
+        return [f.num_threads for f in forwards[start:]]
+
+    neighbour = None
+    try:
+        for _ in range(60):  # learn, pass the window: 2 threads serve (1.7x faster here)
+            serve(5)
+            if (r := tuner.ranges.get(lo)) is not None and r.serving:
+                break
+        r = tuner.ranges[lo]
+        assert r.learned == 2 and r.serving, (r.learned, r.serving, r.samples)
+        assert serve(10).count(2) >= 9
+        neighbour = hog()
+        beside = serve(60)
+        assert tuner.contended >= 10 and beside[-20:].count(1) >= 15, (tuner.contended,
+                                                                      beside)
+        print("beside", beside, tuner.contended, tuner.contention_probes)
+        assert tuner.contention_probes >= 1
+        neighbour.kill()
+        neighbour.wait(10)
+        neighbour = None
+        time.sleep(0.3)
+        after = serve(40)
+        assert after[-20:].count(2) >= 18, after
+        assert tuner.ranges[lo].relearns == 0 and tuner.retired is None
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait(10)
+        runner.stop()

@@ -72,6 +72,7 @@ from vllm_srun.tuner.policy import (
     moved,
     preempted,
     shadow_plan,
+    typical,
 )
 from vllm_srun.tuner.shadows import ShadowLoop
 
@@ -583,7 +584,7 @@ class AdaptiveThreads:
             r.serving = True
         if new == self.configured or r.serving or self.mode is not AdaptiveMode.SERVE:
             r.keep_serving = None
-        r.baselines = {(n, "shadow"): float(np.median(v)) for n, v in r.per_token.items()}
+        r.baselines = {(n, "shadow"): typical(v) for n, v in r.per_token.items()}
         r.recent = {}
         self._dirty_learned.add(lo)
         log.info("threads_learned range=%d-%d num_threads=%d speedup=%.3f", lo, 2 * lo - 1,
@@ -600,7 +601,7 @@ class AdaptiveThreads:
 
     def _speedup(self, r: RangeLearning) -> float:
         a, b = r.samples.get(self.configured), r.samples.get(r.learned or self.configured)
-        return float(np.median(a) / np.median(b)) if a and b else 1.0
+        return typical(a) / typical(b) if a and b else 1.0
 
     def _watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
                window: int) -> None:

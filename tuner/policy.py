@@ -2,8 +2,8 @@
 
 A count is *learned* for a size range when every allowed count has ``min_samples`` timed
 shadow passes there (or, after its first few, already runs twice as slow as the best) and it
-has the lowest median; a count other than the configured one must
-beat the configured count's median by ``margin`` (noise on shared hosts is ~±30%, and
+has the lowest ``typical`` time (lower quartile); a count other than the configured one must
+beat the configured count's by ``margin`` (noise on shared hosts is ~±30%, and
 switching costs a transition window), else the configured count stays.
 """
 
@@ -41,12 +41,21 @@ def summarize(samples_ms: Sequence[float]) -> Summary | None:
     return Summary(float(np.median(arr)), float(np.percentile(arr, 90)), len(arr))
 
 
+def typical(samples_ms: Sequence[float]) -> float:
+    """How fast a count runs when the host lets it: the lower quartile of its samples. A
+    neighbour that comes and goes slows some samples of a count above 1 by 2x and more; the
+    median of such a mix says how often it was there, and a count learned on it (1 thread
+    here, the whole time) loses the quiet stretches, while contention is followed apart
+    (mode 2 serves a count below while the learned one runs slow)."""
+    return float(np.percentile(np.asarray(samples_ms, dtype=np.float64), 25))
+
+
 def losing_counts(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
                   early: int, factor: float) -> set[int]:
     """Counts whose first ``early`` samples already run ``factor`` times slower than the
     best count's: they need no more samples (an oversubscribed count's shadows are long and
     rarely fit between served forwards)."""
-    medians = {n: float(np.median(samples_by_count[n])) for n in counts
+    medians = {n: typical(samples_by_count[n]) for n in counts
                if len(samples_by_count.get(n, ())) >= early}
     if len(medians) < 2:
         return set()
@@ -62,7 +71,7 @@ def learned_count(samples_by_count: Mapping[int, Sequence[float]], counts: Seque
     out = losing_counts(samples_by_count, counts, early, losing)
     if counts_needing_samples(samples_by_count, counts, min_samples, early, losing):
         return None
-    medians = {n: float(np.median(samples_by_count[n])) for n in counts}
+    medians = {n: typical(samples_by_count[n]) for n in counts}
     best = min((n for n in counts if n not in out),
                key=lambda n: (medians[n], n != configured, n))
     if best != configured and medians[best] > medians[configured] * (1 - margin):
@@ -72,11 +81,11 @@ def learned_count(samples_by_count: Mapping[int, Sequence[float]], counts: Seque
 
 def speedup(samples_by_count: Mapping[int, Sequence[float]], configured: int,
             count: int) -> float | None:
-    """Median time at the configured count over median time at ``count``."""
+    """Typical time at the configured count over typical time at ``count``."""
     a, b = samples_by_count.get(configured), samples_by_count.get(count)
     if not a or not b:
         return None
-    return float(np.median(a) / np.median(b))
+    return typical(a) / typical(b)
 
 
 def counts_needing_samples(samples_by_count: Mapping[int, Sequence[float]],
