@@ -178,7 +178,7 @@ class AdaptiveThreads:
         self._paused = 0  # served forwards running with the shadow side frozen
         self.served_samples = 0  # samples taken from served forwards
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
-        self.contended = 0  # mode 2: forwards served at the configured count under contention
+        self.contended = 0  # mode 2: forwards served below the learned count under contention
         self.contention_probes = 0  # ... and at the learned count meanwhile, to see it end
         # count -> the last few served forwards' time over the range's time at that count
         # when learned (per token): how much slower each count runs on the host now
@@ -451,10 +451,15 @@ class AdaptiveThreads:
                     if timed[3] == "probe" and per_token / base < s.contention_slowdown:
                         kept.clear()  # one probe that ran as fast as when learned: over
                     kept.append((self.clock(), per_token / base))
-                if timed[3] is None and not (r.serving and result.num_threads == r.learned
-                                             > min(self.counts)):
+                verifying = self.mode is AdaptiveMode.SERVE and not r.serving and \
+                    r.learned != self.configured
+                if timed[3] is None and not verifying and not (
+                        r.serving and result.num_threads == r.learned > min(self.counts)):
                     # a served count that contention can fall back from relearns by
-                    # ``contention_relearn_s`` instead (a brief neighbour: no relearning)
+                    # ``contention_relearn_s`` instead (a brief neighbour: no relearning);
+                    # a range in its transition window is not relearned on the count it
+                    # serves meanwhile (a neighbour that comes and goes restarted it, again
+                    # and again, before it could pass)
                     self._watch(lo, r, (result.num_threads, "served"), per_token,
                                 s.relearn_window)
                 r = self.ranges[lo]

@@ -52,15 +52,15 @@ def typical(samples_ms: Sequence[float]) -> float:
 
 def losing_counts(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
                   early: int, factor: float) -> set[int]:
-    """Counts whose first ``early`` samples already run ``factor`` times slower than the
-    best count's: they need no more samples (an oversubscribed count's shadows are long and
-    rarely fit between served forwards)."""
-    medians = {n: typical(samples_by_count[n]) for n in counts
-               if len(samples_by_count.get(n, ())) >= early}
-    if len(medians) < 2:
+    """Counts whose first ``early`` samples, even the fastest, already run ``factor`` times
+    slower than the best count's typical time: they need no more samples (an oversubscribed
+    count's shadows are long and rarely fit between served forwards). One fast sample keeps a
+    count in (the first forwards at a new count can be cold)."""
+    have = {n: samples_by_count[n] for n in counts if len(samples_by_count.get(n, ())) >= early}
+    if len(have) < 2:
         return set()
-    best = min(medians.values())
-    return {n for n, m in medians.items() if m > factor * best}
+    best = min(typical(v) for v in have.values())
+    return {n for n, v in have.items() if min(v) > factor * best}
 
 
 def learned_count(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],

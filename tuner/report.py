@@ -47,7 +47,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "shadows_preempted_not_timed": t.preempted,
                            "served_forwards_timed": t.served_samples,
                            "forwards_served_to_time_a_count": t.explored,
-                           "forwards_served_at_configured_under_contention": t.contended,
+                           "forwards_served_below_learned_under_contention": t.contended,
                            "contention_probes": t.contention_probes,
                            "slowdown_now": slowdown})
 
