@@ -95,8 +95,6 @@ class TunerSettings:
     max_samples: int = 48  # recent samples per count per range that decisions rest on
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
-    backoff_s: float = 0.5  # a shadow preempted by other tasks: none starts for this long,
-    backoff_max_s: float = 30.0  # doubling with each one in a row, up to this
     # mode 2 under contention: a learned count that now runs slower than a count below it
     # would (host-wide slowdowns of each count, served forwards)
     contention_slowdown: float = 1.25  # once it runs this much slower than when learned
@@ -167,8 +165,6 @@ class AdaptiveThreads:
         self.audits = 0  # verified shadows of forwards served at a learned count
         self.discarded = 0  # shadows whose time overlapped a served forward
         self.preempted = 0  # shadows whose threads waited for CPUs other tasks held
-        self._backoff_s = 0.0  # after preempted shadows: none starts for this long (doubling)
-        self._backoff_until = -1e9
         self.uncovered = 0  # forwards kept at the configured count: the voucher lacks the shape
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self._jobs: dict[int, _Job] = {}
@@ -504,8 +500,7 @@ class AdaptiveThreads:
         time budget."""
         with self.lock:
             if self.locked_reason is not None or self.retired is not None or not self._jobs \
-                    or self._busy or self.clock() < self._backoff_until \
-                    or self._shadow_s > self.settings.budget_fraction * (
+                    or self._busy or self._shadow_s > self.settings.budget_fraction * (
                         self.clock() - self._started):
                 return False
             lo = next(iter(self._jobs))
@@ -522,14 +517,6 @@ class AdaptiveThreads:
             elif preempted(result.forward_s, result.waited_s):
                 self.preempted += 1
                 clean = False
-                # the host has no CPU to spare: shadows would only keep an idle core's
-                # caches busy beside served forwards (measured: mode 1 at 1 client 15%
-                # below fixed 1 with shadows retried); try again later, backing off
-                s = self.settings
-                self._backoff_s = min(s.backoff_max_s, max(s.backoff_s, 2 * self._backoff_s))
-                self._backoff_until = self.clock() + self._backoff_s
-            else:
-                self._backoff_s = 0.0
             self._after_shadow(lo, job, count, result, clean, retry=self.preempted == before)
         return True
 
