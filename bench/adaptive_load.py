@@ -210,7 +210,7 @@ def main() -> None:
     mix_ms: dict[str, float] = {}
 
     def interleaved(servers: dict[str, Server], level: str, path: str, conns: int,
-                    table: dict, target: float | None = None) -> None:
+                    table: dict, target: float | None = None, section: str = "") -> None:
         """``--rounds`` rounds, each server once per round (the order rotates), so a drift
         of the shared host falls on every server alike; the table keeps each server's
         median per figure, the raw rounds go to ``out["rounds"]``."""
@@ -220,7 +220,7 @@ def main() -> None:
             for name in names[i % len(names):] + names[:i % len(names)]:
                 runs[name].append(measure(name, level, servers[name].url, path, conns, target))
         for name, rs in runs.items():
-            out["rounds"].setdefault(name, {})[level] = rs
+            out["rounds"].setdefault(name, {})[level + section] = rs
             med = {k: statistics.median(r[k] for r in rs)
                    for k in ("rps", "p50_ms", "p99_ms", "mean_ms")}
             table.setdefault(name, {})[level] = {
@@ -293,7 +293,7 @@ def main() -> None:
             servers = up(SERVERS, with_mode_1=False)  # mode 2 learns beside the neighbour
             try:
                 for c in (16, 1):
-                    interleaved(servers, f"closed {c}", mixed, c, nb)
+                    interleaved(servers, f"closed {c}", mixed, c, nb, section=" + neighbour")
             finally:
                 down(servers, " + neighbour")
 

