@@ -105,6 +105,21 @@ def test_a_frozen_shadow_process_dies_with_its_worker(tmp_path):
         worker.wait(30)
 
 
+def shadowed_runner(manifest, backend, mode: AdaptiveMode, scope: Scope, record: HostRecord,
+                    settings: TunerSettings, args: EngineArgs, on_forward=None,
+                    pause=None):
+    """A runner with the tuner wired as a deployment wires it: shadows in the SCHED_IDLE
+    child process, frozen beside timed forwards (``pause``: the test may wrap it)."""
+    shadows = ShadowProcess(manifest, "onnxruntime")
+    runner = Runner(manifest, backend, args, on_forward=on_forward)
+    tuner = AdaptiveThreads(mode, 1, (1, 2), scope, record, runner.engine.forward_batch,
+                            settings, shadow_forward=shadows.forward, on_close=shadows.close,
+                            pause_shadows=pause(shadows) if pause else shadows.pause)
+    runner.engine.threads = tuner
+    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    return runner, tuner, shadows
+
+
 def hog() -> subprocess.Popen:
     """A CPU-bound neighbour at normal priority (a real one: the kernel schedules it)."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -117,16 +132,11 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
     sample; once the neighbour leaves, the count is timed."""
     manifest = resolve(L3)
     backend = load_backend(manifest, "onnxruntime")
-    shadows = ShadowProcess(manifest, "onnxruntime")
-    runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0))
-    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2),
-                            Scope("test-host", manifest.revision, "onnxruntime"),
-                            HostRecord(tmp_path / "r.sqlite"), runner.engine.forward_batch,
-                            TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
-                            shadow_forward=shadows.forward, on_close=shadows.close,
-                            pause_shadows=shadows.pause)
-    runner.engine.threads = tuner
-    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    runner, tuner, shadows = shadowed_runner(
+        manifest, backend, AdaptiveMode.LEARN,
+        Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
+        TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
+        EngineArgs(num_threads=1, cache_entries=0))
     lo = size_range(120)[0]
 
     def samples(n: int) -> int:
@@ -179,27 +189,22 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     assert swept.mismatches == 0 and swept.comparisons > 250
     record.add_voucher(scope, "verify", swept.comparisons, 0, plan.coverage((1, 2)))
 
-    shadows = ShadowProcess(manifest, "onnxruntime")
     pauses: list[bool] = []
 
-    def pause(frozen: bool) -> bool:
-        done = shadows.pause(frozen)
-        if done or not frozen:  # not a freeze asked before the child can die with us
-            pauses.append(frozen)
-        return done
+    def recorded(shadows: ShadowProcess):
+        def pause(frozen: bool) -> bool:
+            done = shadows.pause(frozen)
+            if done or not frozen:  # not a freeze asked before the child can die with us
+                pauses.append(frozen)
+            return done
+        return pause
 
     forwards = []
-    runner = Runner(manifest, backend, EngineArgs(num_threads=1, max_num_seqs=8,
-                                                  max_num_batched_tokens=320,
-                                                  cache_entries=0),
-                    on_forward=forwards.append)
-    tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), scope, record,
-                            runner.engine.forward_batch,
-                            TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
-                            shadow_forward=shadows.forward, on_close=shadows.close,
-                            pause_shadows=pause)
-    runner.engine.threads = tuner
-    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    runner, tuner, shadows = shadowed_runner(
+        manifest, backend, AdaptiveMode.SERVE, scope, record,
+        TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
+        EngineArgs(num_threads=1, max_num_seqs=8, max_num_batched_tokens=320, cache_entries=0),
+        on_forward=forwards.append, pause=recorded)
     stop = threading.Event()
 
     def client(i: int) -> None:
@@ -266,17 +271,11 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
     swept = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
     assert swept.mismatches == 0
     record.add_voucher(scope, "verify", swept.comparisons, 0, plan.coverage((1, 2)))
-    shadows = ShadowProcess(manifest, "onnxruntime")
     forwards = []
-    runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0),
-                    on_forward=forwards.append)
-    tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), scope, record,
-                            runner.engine.forward_batch,
-                            TunerSettings(min_samples=6, window=3, budget_fraction=1.0),
-                            shadow_forward=shadows.forward, on_close=shadows.close,
-                            pause_shadows=shadows.pause)
-    runner.engine.threads = tuner
-    runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
+    runner, tuner, _ = shadowed_runner(
+        manifest, backend, AdaptiveMode.SERVE, scope, record,
+        TunerSettings(min_samples=6, window=3, budget_fraction=1.0),
+        EngineArgs(num_threads=1, cache_entries=0), on_forward=forwards.append)
     lo = size_range(128)[0]
     salt = iter(range(10**6))
 
