@@ -383,15 +383,12 @@ class AdaptiveThreads:
         Returns the count and why (None, "fallback" or "probe")."""
         s, big = self.settings, r.learned
 
-        def now_ms(n: int) -> float | None:
-            base = r.baselines.get((n, "shadow"))
-            return None if base is None else base * self._slowdown(n)
-
-        at_big = now_ms(big)
-        below = [(ms, n) for n in self.counts if n < big and (ms := now_ms(n)) is not None
+        slowed, at_big = self._slowdown(big), r.baselines.get((big, "shadow"))
+        below = [(base * self._slowdown(n), n) for n in self.counts if n < big
+                 and (base := r.baselines.get((n, "shadow"))) is not None
                  and self.voucher.covers_counts(n, self.configured)]
-        if at_big is None or not below or self._slowdown(big) < s.contention_slowdown or \
-                at_big <= min(below)[0] * (1 + s.contention_margin):
+        if at_big is None or not below or slowed < s.contention_slowdown or \
+                at_big * slowed <= min(below)[0] * (1 + s.contention_margin):
             r.contended_since = None
             return big, None
         small = min(below)[1]
@@ -399,7 +396,7 @@ class AdaptiveThreads:
         if r.contended_since is None:
             r.contended_since = now
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
-                     2 * lo - 1, small, self._slowdown(big))
+                     2 * lo - 1, small, slowed)
         elif now - r.contended_since > s.contention_relearn_s:
             log.info("threads_relearn range=%d-%d contended_s=%.0f", lo, 2 * lo - 1,
                      now - r.contended_since)
@@ -410,6 +407,18 @@ class AdaptiveThreads:
             self._last_probe = now
             return big, "probe"
         return small, "fallback"
+
+    def _note_slowdown(self, n: int, slowdown: float, probe: bool) -> None:
+        """A served forward at ``n`` ran ``slowdown`` times its range's time when learned.
+        Two contention probes in a row as fast as when learned end contention at once (one
+        may meet a neighbour the kernel descheduled for a moment)."""
+        kept = self._slowdowns.setdefault(n, deque(maxlen=5))
+        if probe:
+            fast = slowdown < self.settings.contention_slowdown
+            self._fast_probes = self._fast_probes + 1 if fast else 0
+            if self._fast_probes >= 2:
+                kept.clear()
+        kept.append((self.clock(), slowdown))
 
     def _explore_count(self, r: RangeLearning, serving: int) -> int:
         """The count with the fewest samples among those a range still needs (ties: the one
@@ -448,14 +457,8 @@ class AdaptiveThreads:
             if r.learned is not None:
                 per_token = result.forward_s * 1000 / batch.padded_tokens
                 if (base := r.baselines.get((result.num_threads, "shadow"))) is not None:
-                    kept = self._slowdowns.setdefault(result.num_threads, deque(maxlen=5))
-                    if timed[3] == "probe":
-                        fast = per_token / base < s.contention_slowdown
-                        self._fast_probes = self._fast_probes + 1 if fast else 0
-                        if self._fast_probes >= 2:  # two probes in a row ran as fast as
-                            kept.clear()  # when learned: over (one may meet a neighbour
-                            # that the kernel descheduled for a moment)
-                    kept.append((self.clock(), per_token / base))
+                    self._note_slowdown(result.num_threads, per_token / base,
+                                        timed[3] == "probe")
                 verifying = self.mode is AdaptiveMode.SERVE and not r.serving and \
                     r.learned != self.configured
                 if timed[3] is None and not verifying and not (

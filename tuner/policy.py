@@ -71,10 +71,9 @@ def learned_count(samples_by_count: Mapping[int, Sequence[float]], counts: Seque
     out = losing_counts(samples_by_count, counts, early, losing)
     if counts_needing_samples(samples_by_count, counts, min_samples, early, losing):
         return None
-    medians = {n: typical(samples_by_count[n]) for n in counts}
-    best = min((n for n in counts if n not in out),
-               key=lambda n: (medians[n], n != configured, n))
-    if best != configured and medians[best] > medians[configured] * (1 - margin):
+    ms = {n: typical(samples_by_count[n]) for n in counts}
+    best = min((n for n in counts if n not in out), key=lambda n: (ms[n], n != configured, n))
+    if best != configured and ms[best] > ms[configured] * (1 - margin):
         return configured
     return best
 
