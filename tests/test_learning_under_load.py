@@ -317,3 +317,49 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
             neighbour.kill()
             neighbour.wait(10)
         runner.stop()
+
+
+def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(tmp_path):
+    """R4.5: mode 1, one client sending back to back: every gap between served forwards is
+    the client's turnaround, shorter than a shadow. A shadow timing 2 threads needs the core
+    the next served forward runs on (an idle-class one sharing it made served forwards 1.5x
+    slower here), would be frozen and its time thrown away; such shadows wait until the
+    worker has been idle long enough, so under this load few start, and once the client
+    stops, 2 threads is timed on the last batch and the range is learned. The shadow side
+    is frozen beside a served forward only while a shadow runs."""
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    pauses: list[bool] = []
+
+    def pause(shadows):
+        def wrapped(frozen: bool) -> bool:
+            pauses.append(frozen)
+            return shadows.pause(frozen)
+        return wrapped
+
+    runner, tuner, _ = shadowed_runner(
+        manifest, backend, AdaptiveMode.LEARN,
+        Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
+        TunerSettings(min_samples=6, budget_fraction=1.0),
+        EngineArgs(num_threads=1, cache_entries=0), pause=pause)
+    lo = size_range(120)[0]
+    try:
+        wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
+        forwards = 200
+        for i in range(forwards):
+            runner.engine.submit([row(120, i)]).result(timeout=60)
+        with tuner.lock:
+            started = tuner.comparisons
+            overlapped, froze = tuner.discarded, pauses.count(True)
+            timed_served = tuner.served_samples
+        wait_until(lambda: tuner.ranges[lo].learned is not None, 60,
+                   "2 threads timed once the client stopped")
+    finally:
+        runner.stop()
+    print(f"{forwards} forwards: shadows compared {started}, overlapped {overlapped}, "
+          f"freezes {froze}, served forwards timed {timed_served}")
+    assert timed_served >= forwards // 2  # the configured count timed on served forwards
+    assert overlapped <= 6  # measured 1-2 (each forward froze a shadow's wait before)
+    # a freeze only while a shadow runs: measured 6-31 (every one of them froze before)
+    assert froze < forwards // 2
+    assert len(tuner.ranges[lo].samples[2]) >= 6

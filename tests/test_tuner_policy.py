@@ -16,6 +16,7 @@ from vllm_srun.tuner.policy import (
     clean_window,
     counts_needing_samples,
     learned_count,
+    likely_uninterrupted,
     losing_counts,
     moved,
     preempted,
@@ -103,6 +104,21 @@ def test_a_shadow_whose_threads_waited_for_a_cpu_is_not_a_sample():
     assert not preempted(0.001, 0.0001)  # a short forward's floor
     assert preempted(0.010, 0.0025)
     assert preempted(0.024, 0.024)  # 2 threads beside a CPU-bound process: 1.0 measured
+
+
+def test_a_timing_shadow_starts_only_if_the_next_served_forward_likely_leaves_it_time():
+    """R4.5: judged from the recent idle gaps between served forwards, given how long the
+    worker has been idle already."""
+    back_to_back = [0.0004] * 32  # one closed-loop client: its turnaround
+    assert not likely_uninterrupted(back_to_back, 0.0, 0.005)
+    assert likely_uninterrupted(back_to_back, 0.001, 0.005)  # longer than any: load stopped
+    assert likely_uninterrupted([], 0.0, 0.005)  # nothing known yet
+    poisson = [0.002, 0.030, 0.011, 0.045, 0.004, 0.020, 0.060, 0.009]
+    assert likely_uninterrupted(poisson, 0.0, 0.005)  # 6 of 8 gaps were longer
+    assert not likely_uninterrupted(poisson, 0.0, 0.025)  # 3 of 8
+    assert likely_uninterrupted(poisson, 0.010, 0.010)  # 4 of the 5 that lasted 10 ms
+    assert not likely_uninterrupted(poisson, 0.010, 0.040)  # 1 of 5
+    assert likely_uninterrupted(poisson, 0.025, 0.100)  # too few lasted 25 ms to say
 
 
 def test_counts_far_behind_after_their_first_samples_need_no_more():

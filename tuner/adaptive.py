@@ -11,6 +11,15 @@ time is not a sample (``policy.clean_window``), nor is it if its threads waited 
 any other task held (``policy.preempted``: the frontend, a neighbour, another worker's load);
 the count stays due, so the batch is run again later.
 
+Idle class is not free where a shadow shares cores with served work (its count plus the served
+one over the budget): here a 2-thread idle-class shadow beside 1-thread served forwards made
+them 1.5x slower, a 1-thread one not at all. So a served forward freezes a shadow running on
+its cores, and a shadow that only times a count on such cores starts only when the worker has
+been idle long enough that the next served forward will likely not cut in (recent idle gaps;
+``_quiet_s`` doubles each time one was cut in on): under closed-loop load, where every gap is
+a client's turnaround, such shadows wait for the load to pause instead of being started,
+frozen and thrown away. Comparisons (mode 2's window, audits) always run.
+
 Served forwards are samples too: while a range explores, each of its served forwards is timed
 at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
 length, or, where nothing can freeze it, only if no shadow ran beside it. Other served forwards
@@ -69,6 +78,7 @@ from vllm_srun.tuner.policy import (
     clean_window,
     counts_needing_samples,
     learned_count,
+    likely_uninterrupted,
     moved,
     preempted,
     shadow_plan,
@@ -102,6 +112,7 @@ class TunerSettings:
     contention_probe_s: float = 0.25  # one forward at the learned count this often tells when
     contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
     contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
+    quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
 
 
 @dataclass
@@ -131,6 +142,7 @@ class _Job:
     outputs: np.ndarray
     served_threads: int
     counts: list[int]
+    served_s: float  # how long the served forward took
 
 
 def output_bits(outputs: np.ndarray) -> np.ndarray:
@@ -176,6 +188,16 @@ class AdaptiveThreads:
         # run at its start, shadow epoch then)
         self._timed: dict[int, tuple[bool, bool, int]] = {}
         self._paused = 0  # served forwards running with the shadow side frozen
+        self._shadow_threads = 0  # the count of the shadow running now
+        self.shadows_warm = False  # the shadow loop has run every count once
+        self._idle_since = clock()  # when the last served forward ended
+        self._gaps: deque[float] = deque(maxlen=32)  # recent idle gaps between served ones
+        self._last_served = configured  # the count the last served forward ran at
+        self.frozen_beside = 0  # served forwards that froze a shadow sharing their cores
+        self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
+        # idle time a shadow that shares the served forwards' cores waits for before it
+        # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
+        self._quiet_s = 0.0
         self.served_samples = 0  # samples taken from served forwards
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
         self.contended = 0  # mode 2: forwards served below the learned count under contention
@@ -328,6 +350,8 @@ class AdaptiveThreads:
         beside it. Mode 2 with a voucher: such a range serves a count it lacks samples for,
         in turn, where the voucher covers it (the same answer, R4.8)."""
         with self.lock:
+            if not self._busy:
+                self._gaps.append(self.clock() - self._idle_since)
             self._busy += 1
             self._epoch += 1
             lo = size_range(batch.padded_tokens)[0]
@@ -354,10 +378,18 @@ class AdaptiveThreads:
                 self.contention_probes += 1
             elif n != self._serving_count(lo):
                 self.explored += 1
-            frozen = self.pause_shadows is not None and exploring and \
-                self.pause_shadows(True)  # a timed forward: freeze the shadow side
+            # a shadow running while a timed forward runs, or on cores this forward needs
+            # (their sum over the budget): freeze the shadow side. An idle-class shadow
+            # sharing its cores made served forwards 1.5x slower here, one beside them not
+            # at all; with no shadow running there is nothing to freeze (a freeze wakes each
+            # of the child's sleeping threads to stop it, and again to thaw it) and no shadow
+            # starts until this forward ends
+            sharing = self._shadowing and self._shadow_threads + n > max(self.counts)
+            frozen = self.pause_shadows is not None and self._shadowing and (
+                exploring or sharing) and self.pause_shadows(True)
             if frozen:
                 self._paused += 1
+                self.frozen_beside += sharing
             self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
                                       self._shadow_epoch, contention)
             return n
@@ -442,6 +474,10 @@ class AdaptiveThreads:
         with self.lock:
             self._busy = max(0, self._busy - 1)
             self._epoch += 1
+            if not self._busy:
+                self._idle_since = self.clock()
+            if result is not None:
+                self._last_served = result.num_threads
             timed = self._timed.pop(id(batch), (False, False, -1, None))
             if timed[0]:
                 self._paused -= 1
@@ -493,8 +529,10 @@ class AdaptiveThreads:
                 counts = [self.configured] + ([] if r.explore_served else [
                     n for n in counts if n != self.configured])
             if counts:
-                self._jobs.pop(lo, None)  # the newest batch of a range goes to the back
-                self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts)
+                # the newest batch of a range goes to the back
+                self.replaced += self._jobs.pop(lo, None) is not None
+                self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts,
+                                      result.forward_s)
                 self.lock.notify_all()
 
     # -- shadows ---------------------------------------------------------------------------
@@ -511,9 +549,10 @@ class AdaptiveThreads:
                     or self._busy or self._shadow_s > self.settings.budget_fraction * (
                         self.clock() - self._started):
                 return False
-            lo = next(iter(self._jobs))
-            job = self._jobs[lo]
-            count = job.counts[0]
+            due = self._next_shadow()
+            if due is None:
+                return False
+            lo, job, count, sharing = due
             epoch = self._epoch
         began = self.clock()
         result = self.run_shadow(job.batch, count)
@@ -525,14 +564,47 @@ class AdaptiveThreads:
             elif preempted(result.forward_s, result.waited_s):
                 self.preempted += 1
                 clean = False
-            self._after_shadow(lo, job, count, result, clean, retry=self.preempted == before)
+            if sharing:
+                self._quiet_s = self._quiet_s / 2 if clean else min(
+                    self.settings.quiet_max_s, max(2 * self._quiet_s, 0.002))
+            # a preempted one is not run again on this batch, unless it shares cores with
+            # served forwards: then ``_quiet_s`` spaces its tries out (the load may be over)
+            self._after_shadow(lo, job, count, result, clean,
+                               retry=sharing or self.preempted == before)
         return True
+
+    def _next_shadow(self) -> tuple[int, _Job, int, bool] | None:
+        """The first due shadow, ranges oldest first, that may start now, and whether it
+        shares cores with served forwards. One that only times a count (on a batch served at
+        the configured count; not mode 2's window), on cores the next served forward will
+        need too, starts only once the worker has been idle ``_quiet_s`` and the next forward
+        will likely not cut in (``likely_uninterrupted``): it would be frozen and its time
+        thrown away, and the frontend's work in the gap, which no freeze covers, runs beside
+        it. Comparisons (the
+        window, audits of answers served at other counts) always run: frozen where they
+        share cores, they end in the gaps."""
+        idle_s = self.clock() - self._idle_since
+        for lo, job in self._jobs.items():
+            for count in job.counts:
+                r = self.ranges.get(lo)
+                window = self.mode is AdaptiveMode.SERVE and r is not None and \
+                    r.learned == count and not r.serving
+                if count + self._last_served <= max(self.counts) or window or \
+                        job.served_threads != self.configured:
+                    return lo, job, count, False
+                known = r.samples.get(count) if r is not None else None
+                need_s = typical(known) / 1000 if known else \
+                    job.served_s * job.served_threads / count
+                if idle_s >= self._quiet_s and likely_uninterrupted(self._gaps, idle_s, need_s):
+                    return lo, job, count, True
+        return None
 
     def run_shadow(self, batch: TokenBatch, count: int) -> ForwardResult:
         """One shadow forward (a due one, or a warm-up), counted as running meanwhile."""
         with self.lock:
             self._shadowing += 1
             self._shadow_epoch += 1
+            self._shadow_threads = count
         try:
             return self.shadow_forward(batch, count)
         finally:
@@ -560,8 +632,8 @@ class AdaptiveThreads:
         if retry and r.learned is None and count in counts_needing_samples(
                 r.samples, self.counts, self.settings.min_samples):
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
-            # (not after it waited for CPUs other tasks held: they likely still do; the
-            # range's next served batch brings the count again)
+            # (if not ``retry``, after it waited for CPUs other tasks held: they likely
+            # still do; the range's next served batch brings the count again)
         if not job.counts and self._jobs.get(lo) is job:
             del self._jobs[lo]
         pair = {count, job.served_threads}

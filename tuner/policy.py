@@ -100,6 +100,20 @@ def clean_window(busy_at_start: int, epoch_at_start: int, epoch_at_end: int) -> 
     return busy_at_start == 0 and epoch_at_start == epoch_at_end
 
 
+def likely_uninterrupted(gaps_s: Sequence[float], idle_s: float, need_s: float,
+                         share: float = 0.5, evidence: int = 4) -> bool:
+    """Whether a shadow of ``need_s`` started now, ``idle_s`` after the last served forward
+    ended, would likely end before the next one starts: of the recent idle gaps between served
+    forwards that lasted ``idle_s``, at least ``share`` lasted ``idle_s + need_s`` (with fewer
+    than ``evidence`` such gaps, nothing says it would not). Under closed-loop load every gap
+    is the client's turnaround, shorter than any shadow: none starts, where each would only
+    have been frozen and thrown away; under Poisson arrivals most gaps are long enough."""
+    lasted = [g for g in gaps_s if g >= idle_s]
+    if len(lasted) < evidence:
+        return True
+    return sum(g >= idle_s + need_s for g in lasted) >= share * len(lasted)
+
+
 def preempted(forward_s: float, waited_s: float | None, share: float = 0.1,
               floor_s: float = 1e-4) -> bool:
     """A shadow's threads waited for a CPU another task held for more than ``share`` of its

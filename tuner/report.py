@@ -45,6 +45,8 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "shadow_comparisons": t.comparisons, "audits": t.audits,
                            "shadows_overlapped_not_timed": t.discarded,
                            "shadows_preempted_not_timed": t.preempted,
+                           "shadow_batches_replaced_unrun": t.replaced,
+                           "served_forwards_that_froze_a_shadow": t.frozen_beside,
                            "served_forwards_timed": t.served_samples,
                            "forwards_served_to_time_a_count": t.explored,
                            "forwards_served_below_learned_under_contention": t.contended,

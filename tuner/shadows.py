@@ -58,9 +58,11 @@ class ShadowProcess:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._armed = ctx.Event()  # set by the child once it dies with this process
+        self._loaded = ctx.Event()  # ... and once its backend is loaded
         self._frozen_ok = False
         self.process = ctx.Process(target=_serve_shadows,
-                                   args=(child, manifest, backend, os.getpid(), self._armed),
+                                   args=(child, manifest, backend, os.getpid(), self._armed,
+                                         self._loaded),
                                    name="vllm-srun-shadows", daemon=True)
         self.process.start()
         child.close()
@@ -80,10 +82,11 @@ class ShadowProcess:
     def pause(self, frozen: bool) -> bool:
         """Freeze the child (SIGSTOP) while a served forward that is timed runs, and thaw it
         (SIGCONT) after: a shadow then takes no CPU, cache or memory bandwidth from it.
-        Returns whether the child is now frozen (never before it dies with this process,
-        nor once it is gone)."""
+        Returns whether the child is now frozen: never before it dies with this process, nor
+        while it loads its backend (it runs no forward then; every freeze would wake each of
+        its threads), nor once it is gone."""
         if frozen and not self._frozen_ok:
-            if not self._armed.is_set():
+            if not (self._armed.is_set() and self._loaded.is_set()):
                 return False
             self._frozen_ok = True
         try:
@@ -103,11 +106,13 @@ class ShadowProcess:
         self._conn.close()
 
 
-def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, armed) -> None:
+def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, armed,
+                   loaded) -> None:
     die_with_parent(parent, signal.SIGKILL)  # SIGKILL: even while frozen
     armed.set()  # only now may the worker freeze it
     make_process_idle()  # every thread made from here on inherits it
     backend = load_backend(manifest, backend_name)
+    loaded.set()
     context = ThreadContext()
     waits = RunDelay()
     while True:
@@ -183,6 +188,7 @@ class ShadowLoop:
         try:
             for n in t.counts:  # warm every count before it is timed
                 t.run_shadow(self._warm, n)
+            t.shadows_warm = True
             while not self._stop:
                 if t.step():
                     continue
