@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import L3, L6, row, wait_for
+from tests.conftest import L3, L6, row, wait_for, wait_until
 from vllm_srun.records.host_record import Scope
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
@@ -226,3 +226,31 @@ def test_a_killed_shadow_process_stops_learning_not_serving_and_the_report_says_
         assert runner.engine.submit([row(60, 9)]).result(timeout=30).shape == (1, 384)
     finally:
         runner.stop()
+
+
+def test_the_shadow_process_outlives_the_thread_that_started_it():
+    """A worker loads on a thread of its own that ends once it is loaded. The kernel's
+    parent-death signal (the shadow process's SIGKILL when its worker dies) follows the
+    *thread* that forked the child, so a child forked from that thread was killed when it
+    ended, and learning stopped ("shadow process gone", seen in a benchmark). The child is
+    forked from a thread that lives as long as it does."""
+    from vllm_srun.tuner.shadows import ShadowProcess
+
+    made: list[ShadowProcess] = []
+
+    def load() -> None:  # as a worker's loader: it goes on (the golden check), then ends
+        made.append(ShadowProcess(resolve(L3), "onnxruntime"))
+        made[0]._armed.wait(60)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join()
+    proc = made[0]
+    try:
+        wait_until(lambda: proc._loaded.is_set(), 120, "the shadow process loaded")
+        time.sleep(0.5)  # a SIGKILL from the loader's end has landed by now
+        assert proc.process.is_alive()
+        assert proc.forward(pad([row(20)]), 1).outputs.shape[0] == 1
+    finally:
+        proc.close()
+    assert not proc.process.is_alive()

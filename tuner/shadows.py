@@ -64,8 +64,26 @@ class ShadowProcess:
                                    args=(child, manifest, backend, os.getpid(), self._armed,
                                          self._loaded),
                                    name="vllm-srun-shadows", daemon=True)
-        self.process.start()
+        # The kernel's parent-death signal follows the *thread* that forks the child: forked
+        # from a worker's loader thread, the child was SIGKILLed when that thread ended. So
+        # a thread of its own forks it and lives until ``close``.
+        self._closing, forked = threading.Event(), threading.Event()
+        failed: list[BaseException] = []
+
+        def parent() -> None:
+            try:
+                self.process.start()
+            except BaseException as exc:  # raised again on the caller's thread
+                failed.append(exc)
+            forked.set()
+            if not failed:
+                self._closing.wait()
+
+        threading.Thread(target=parent, name="shadow-parent", daemon=True).start()
+        forked.wait()
         child.close()
+        if failed:
+            raise failed[0]
         self._lock = threading.Lock()
 
     def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
@@ -103,6 +121,7 @@ class ShadowProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=10)
+        self._closing.set()
         self._conn.close()
 
 
