@@ -254,3 +254,41 @@ def test_the_shadow_process_outlives_the_thread_that_started_it():
     finally:
         proc.close()
     assert not proc.process.is_alive()
+
+
+def test_the_shadow_process_dies_with_its_worker_even_while_frozen(tmp_path):
+    """A worker killed outright (SIGKILL) takes its shadow process with it, frozen or not:
+    no orphan holds a copy of the model. A real worker process."""
+    import signal
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, threading, time
+        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        from tests.conftest import L3
+        from vllm_srun.runtime.artifact import resolve
+        from vllm_srun.tuner.shadows import ShadowProcess
+        if __name__ == "__main__":
+            made = []
+            t = threading.Thread(target=lambda: made.append(ShadowProcess(resolve(L3),
+                                                                          "onnxruntime")))
+            t.start(); t.join()
+            made[0]._loaded.wait(120)
+            assert made[0].pause(True)
+            print(made[0].process.pid, flush=True)
+            time.sleep(600)
+    """)
+    path = tmp_path / "worker.py"
+    path.write_text(script)
+    worker = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(worker.stdout.readline())
+        assert Path(f"/proc/{child}/status").read_text().count("stopped")  # frozen
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(30)
+        wait_until(lambda: not Path(f"/proc/{child}").exists() or "zombie" in Path(
+            f"/proc/{child}/status").read_text(), 30, "the shadow process gone")
+    finally:
+        worker.kill()
+        worker.wait(30)
