@@ -13,12 +13,15 @@ the count stays due, so the batch is run again later.
 
 Idle class is not free where a shadow shares cores with served work (its count plus the served
 one over the budget): here a 2-thread idle-class shadow beside 1-thread served forwards made
-them 1.5x slower, a 1-thread one not at all. So a served forward freezes a shadow running on
-its cores, and a shadow that only times a count on such cores starts only when the worker has
-been idle long enough that the next served forward will likely not cut in (recent idle gaps;
-``_quiet_s`` doubles each time one was cut in on): under closed-loop load, where every gap is
-a client's turnaround, such shadows wait for the load to pause instead of being started,
-frozen and thrown away. Comparisons (mode 2's window, audits) always run.
+them 1.5x slower, a 1-thread one not at all. So a shadow that only times a count on such
+cores starts only when the worker has been idle long enough that the next served forward will
+likely not cut in (recent idle gaps; ``_quiet_s`` doubles each time one was cut in on), and a
+served forward that cuts in freezes it (held frozen a few ms after, in case the next one
+follows at once): under closed-loop load, where every gap is a client's turnaround, such
+shadows wait for the load to pause instead of being started, frozen and thrown away.
+Comparisons (mode 2's window, audits of what exploring served) run whenever no served forward
+does, unfrozen; audits of a range serving its learned count wait for a gap too, but run at
+least every ``audit_floor_s``.
 
 Served forwards are samples too: while a range explores, each of its served forwards is timed
 at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
@@ -113,6 +116,9 @@ class TunerSettings:
     contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
     contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
+    audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
+    thaw_hold_s: float = 0.005  # a frozen shadow side stays so this long at most after a
+    # served forward ends (twice the recent idle gaps): back-to-back forwards, one freeze
 
 
 @dataclass
@@ -188,7 +194,12 @@ class AdaptiveThreads:
         # run at its start, shadow epoch then)
         self._timed: dict[int, tuple[bool, bool, int]] = {}
         self._paused = 0  # served forwards running with the shadow side frozen
+        self._held = False  # ... none now, but it stays frozen until ``_thaw_at``
+        self._thaw_at = 0.0
+        self._thaw_wake = threading.Condition(self.lock)
+        self._thawer: Thawer | None = None
         self._shadow_threads = 0  # the count of the shadow running now
+        self._shadow_gated = False  # ... it waited for a gap (``_next_shadow``)
         self.shadows_warm = False  # the shadow loop has run every count once
         self._idle_since = clock()  # when the last served forward ended
         self._gaps: deque[float] = deque(maxlen=32)  # recent idle gaps between served ones
@@ -198,6 +209,7 @@ class AdaptiveThreads:
         # idle time a shadow that shares the served forwards' cores waits for before it
         # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
         self._quiet_s = 0.0
+        self._last_audit = -1e9  # when the last audit of a range serving a learned count ran
         self.served_samples = 0  # samples taken from served forwards
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
         self.contended = 0  # mode 2: forwards served below the learned count under contention
@@ -286,9 +298,12 @@ class AdaptiveThreads:
 
     def close(self) -> None:
         with self.lock:
-            if self._paused:  # a served forward still running: thaw before closing
-                self._paused = 0
+            if self._paused or self._held:  # frozen: thaw before closing
+                self._paused, self._held = 0, False
                 self.pause_shadows(False)
+        if self._thawer is not None:
+            self._thawer.stop()
+            self._thawer = None
         if self._record_watch is not None:
             self._record_watch.stop()
             self._record_watch = None
@@ -336,6 +351,8 @@ class AdaptiveThreads:
         self._started = self.clock()
         if self.settings.background and self.retired is None:
             self._loop = ShadowLoop(self, batches[0])
+            if self.pause_shadows is not None:
+                self._thawer = Thawer(self)
             if self.record is not None:
                 self._record_watch = RecordWatch(self.poll_record, self.settings.watch_s)
         log.info("threads_golden_passed mode=%d configured=%d counts=%s retired=%s",
@@ -378,21 +395,44 @@ class AdaptiveThreads:
                 self.contention_probes += 1
             elif n != self._serving_count(lo):
                 self.explored += 1
-            # a shadow running while a timed forward runs, or on cores this forward needs
-            # (their sum over the budget): freeze the shadow side. An idle-class shadow
-            # sharing its cores made served forwards 1.5x slower here, one beside them not
-            # at all; with no shadow running there is nothing to freeze (a freeze wakes each
-            # of the child's sleeping threads to stop it, and again to thaw it) and no shadow
-            # starts until this forward ends
-            sharing = self._shadowing and self._shadow_threads + n > max(self.counts)
-            frozen = self.pause_shadows is not None and self._shadowing and (
-                exploring or sharing) and self.pause_shadows(True)
+            # a shadow running while a timed forward runs, or a timing shadow that waited
+            # for a gap on cores this forward needs (their sum over the budget): freeze the
+            # shadow side. An idle-class shadow sharing its cores made served forwards 1.5x
+            # slower here, one beside them not at all. Comparisons are not frozen for served
+            # forwards that are not timed: under back-to-back load they would never end, and
+            # mode 2 needs them. With no shadow running there is nothing to freeze (a freeze
+            # wakes each of the child's sleeping threads to stop it, and again to thaw it)
+            # and no shadow starts until this forward ends
+            sharing = self._shadowing and self._shadow_gated and \
+                self._shadow_threads + n > max(self.counts)
+            want = self.pause_shadows is not None and self._shadowing and (
+                exploring or sharing)
+            if self._held:  # still frozen since the last forward: no signal either way
+                self._held = False
+                frozen = bool(want) or self.pause_shadows(False)
+            else:
+                frozen = want and self.pause_shadows(True)
             if frozen:
                 self._paused += 1
                 self.frozen_beside += sharing
             self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
                                       self._shadow_epoch, contention)
             return n
+
+    def _thaw(self) -> None:
+        """The last served forward that froze the shadow side ended: thaw it, or, with the
+        thawer running, hold it frozen for twice the recent idle gaps (at most
+        ``thaw_hold_s``): under back-to-back load the next forward starts meanwhile and
+        finds it frozen, where a thaw and a freeze per forward, each waking every thread of
+        the shadow process, cost served forwards more than the shadow's few moments of CPU
+        in the gap gained it."""
+        gaps = list(self._gaps)[-8:]
+        hold = min(self.settings.thaw_hold_s, 2 * float(np.median(gaps))) if gaps else 0.0
+        if self._thawer is None or hold <= 0:
+            self.pause_shadows(False)
+            return
+        self._held, self._thaw_at = True, self.clock() + hold
+        self._thaw_wake.notify_all()
 
     def _slowdown(self, n: int) -> float:
         """The median of the last few served forwards at ``n`` over their ranges' times at
@@ -482,7 +522,7 @@ class AdaptiveThreads:
             if timed[0]:
                 self._paused -= 1
                 if not self._paused:
-                    self.pause_shadows(False)
+                    self._thaw()
             if self._jobs:  # the shadow loop waits for no served forward to run
                 self.lock.notify_all()
             if result is None or self.locked_reason is not None or self.retired is not None:
@@ -554,6 +594,7 @@ class AdaptiveThreads:
                 return False
             lo, job, count, sharing = due
             epoch = self._epoch
+            self._shadow_gated = sharing
         began = self.clock()
         result = self.run_shadow(job.batch, count)
         with self.lock:
@@ -576,26 +617,34 @@ class AdaptiveThreads:
     def _next_shadow(self) -> tuple[int, _Job, int, bool] | None:
         """The first due shadow, ranges oldest first, that may start now, and whether it
         shares cores with served forwards. One that only times a count (on a batch served at
-        the configured count; not mode 2's window), on cores the next served forward will
-        need too, starts only once the worker has been idle ``_quiet_s`` and the next forward
-        will likely not cut in (``likely_uninterrupted``): it would be frozen and its time
-        thrown away, and the frontend's work in the gap, which no freeze covers, runs beside
-        it. Comparisons (the
-        window, audits of answers served at other counts) always run: frozen where they
-        share cores, they end in the gaps."""
-        idle_s = self.clock() - self._idle_since
+        the configured count; not mode 2's window), or audits a range serving its learned
+        count, on cores the next served forward will need too, starts only once the worker
+        has been idle ``_quiet_s`` and the next forward will likely not cut in
+        (``likely_uninterrupted``): it would be frozen and its time thrown away, and the
+        frontend's work in the gap, which no freeze covers, runs beside it. Such audits run
+        at least every ``audit_floor_s`` whatever the load. The other comparisons (the
+        window, audits of what a range served while it explored) always run: frozen where
+        they share cores, they end in the gaps."""
+        now = self.clock()
+        idle_s = now - self._idle_since
         for lo, job in self._jobs.items():
+            r = self.ranges.get(lo)
             for count in job.counts:
-                r = self.ranges.get(lo)
                 window = self.mode is AdaptiveMode.SERVE and r is not None and \
                     r.learned == count and not r.serving
-                if count + self._last_served <= max(self.counts) or window or \
-                        job.served_threads != self.configured:
+                audit = r is not None and r.serving and job.served_threads != self.configured
+                if audit and now - self._last_audit >= self.settings.audit_floor_s:
+                    self._last_audit = now  # the floor: whatever the load
+                    return lo, job, count, False
+                if count + self._last_served <= max(self.counts) or window or (
+                        job.served_threads != self.configured and not audit):
                     return lo, job, count, False
                 known = r.samples.get(count) if r is not None else None
                 need_s = typical(known) / 1000 if known else \
                     job.served_s * job.served_threads / count
                 if idle_s >= self._quiet_s and likely_uninterrupted(self._gaps, idle_s, need_s):
+                    if audit:
+                        self._last_audit = now
                     return lo, job, count, True
         return None
 
@@ -733,6 +782,33 @@ class AdaptiveThreads:
         for r in self.ranges.values():
             r.serving, r.keep_serving = False, None
         self._jobs.clear()
+
+
+class Thawer:
+    """The tuner's thread that thaws a held shadow side once its hold ends (``_thaw``)."""
+
+    def __init__(self, tuner: AdaptiveThreads) -> None:
+        self.tuner, self._stop = tuner, False
+        self.thread = threading.Thread(target=self._run, name="shadow-thaw", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        t = self.tuner
+        with t.lock:
+            while not self._stop:
+                if not t._held:
+                    t._thaw_wake.wait()
+                elif (left := t._thaw_at - t.clock()) > 0:
+                    t._thaw_wake.wait(left)
+                else:
+                    t._held = False
+                    t.pause_shadows(False)
+
+    def stop(self) -> None:
+        with self.tuner.lock:
+            self._stop = True
+            self.tuner._thaw_wake.notify_all()
+        self.thread.join(timeout=10)
 
 
 class RecordWatch:
