@@ -117,6 +117,8 @@ class TunerSettings:
     contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
     audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
+    busy_max: float = 0.3  # ... and only while served forwards took at most this share of
+    busy_window_s: float = 1.0  # the last this many seconds
     thaw_hold_s: float = 0.005  # a frozen shadow side stays so this long at most after a
     # served forward ends (twice the recent idle gaps): back-to-back forwards, one freeze
 
@@ -204,6 +206,7 @@ class AdaptiveThreads:
         self._idle_since = clock()  # when the last served forward ended
         self._gaps: deque[float] = deque(maxlen=32)  # recent idle gaps between served ones
         self._last_served = configured  # the count the last served forward ran at
+        self._served_log: deque[tuple[float, float]] = deque(maxlen=512)  # (end, seconds)
         self.frozen_beside = 0  # served forwards that froze a shadow sharing their cores
         self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
         # idle time a shadow that shares the served forwards' cores waits for before it
@@ -518,6 +521,7 @@ class AdaptiveThreads:
                 self._idle_since = self.clock()
             if result is not None:
                 self._last_served = result.num_threads
+                self._served_log.append((self.clock(), result.forward_s))
             timed = self._timed.pop(id(batch), (False, False, -1, None))
             if timed[0]:
                 self._paused -= 1
@@ -642,11 +646,21 @@ class AdaptiveThreads:
                 known = r.samples.get(count) if r is not None else None
                 need_s = typical(known) / 1000 if known else \
                     job.served_s * job.served_threads / count
-                if idle_s >= self._quiet_s and likely_uninterrupted(self._gaps, idle_s, need_s):
+                if idle_s >= self._quiet_s and self._busy_share(now) <= self.settings.busy_max \
+                        and likely_uninterrupted(self._gaps, idle_s, need_s):
                     if audit:
                         self._last_audit = now
                     return lo, job, count, True
         return None
+
+    def _busy_share(self, now: float) -> float:
+        """The share of the last ``busy_window_s`` that served forwards took. Above
+        ``busy_max`` requests queue, and any time a shadow takes from them comes back
+        amplified in their latency (a 1-thread worker at 60% of capacity: mode 1's p99 went
+        1.7x with shadows that fitted the gaps)."""
+        since = now - self.settings.busy_window_s
+        return sum(min(s, end - since) for end, s in self._served_log
+                   if end > since) / self.settings.busy_window_s
 
     def run_shadow(self, batch: TokenBatch, count: int) -> ForwardResult:
         """One shadow forward (a due one, or a warm-up), counted as running meanwhile."""
