@@ -628,10 +628,11 @@ class AdaptiveThreads:
         (``likely_uninterrupted``): it would be frozen and its time thrown away, and the
         frontend's work in the gap, which no freeze covers, runs beside it. Such audits run
         at least every ``audit_floor_s`` whatever the load. The other comparisons (the
-        window, audits of what a range served while it explored) always run: frozen where
-        they share cores, they end in the gaps."""
+        window, audits of what a range served while it explored) always run, unfrozen
+        beside served forwards that are not timed."""
         now = self.clock()
         idle_s = now - self._idle_since
+        quiet = idle_s >= self._quiet_s and self._busy_share(now) <= self.settings.busy_max
         for lo, job in self._jobs.items():
             r = self.ranges.get(lo)
             for count in job.counts:
@@ -647,8 +648,7 @@ class AdaptiveThreads:
                 known = r.samples.get(count) if r is not None else None
                 need_s = typical(known) / 1000 if known else \
                     job.served_s * job.served_threads / count
-                if idle_s >= self._quiet_s and self._busy_share(now) <= self.settings.busy_max \
-                        and likely_uninterrupted(self._gaps, idle_s, need_s):
+                if quiet and likely_uninterrupted(self._gaps, idle_s, need_s):
                     if audit:
                         self._last_audit = now
                     return lo, job, count, True
