@@ -1,7 +1,9 @@
 """CPU backends behind one seam: ``Backend.forward(batch, num_threads)`` (R1.3, R2.1).
 
-A forward must be called on the thread context's lane for ``num_threads``; it returns the
-pooled embeddings (or logits) and the count observed from inside the forward.
+A forward of a ``thread_bound`` backend (torch: its intra-op count lives on the OS thread) must
+be called on the thread context's lane for ``num_threads``; one that is not (onnxruntime: the
+count is the session's) may be called on any thread. A forward returns the pooled embeddings
+(or logits) and the count observed from inside the forward.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from vllm_srun.runtime.types import BackendName, ForwardResult, Manifest, Task, 
 
 class Backend(Protocol):
     name: BackendName
+    thread_bound: bool  # a forward must run on the lane of its count (see the module doc)
 
     def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult: ...
 
@@ -51,6 +54,7 @@ class OnnxBackend:
     """onnxruntime: the intra-op pool belongs to a session, so one session per count."""
 
     name = BackendName.ONNXRUNTIME
+    thread_bound = False
 
     def __init__(self, manifest: Manifest, onnx_path: str,
                  like: OnnxBackend | None = None) -> None:
@@ -116,6 +120,7 @@ class TorchBackend:
     """torch: one module; the lane's OS thread carries the intra-op count."""
 
     name = BackendName.TORCH
+    thread_bound = True
 
     def __init__(self, manifest: Manifest, device: str = "cpu") -> None:
         import torch

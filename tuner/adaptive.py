@@ -64,6 +64,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import statistics
 import threading
 import time
 from collections import deque
@@ -206,7 +207,14 @@ class AdaptiveThreads:
         self._idle_since = clock()  # when the last served forward ended
         self._gaps: deque[float] = deque(maxlen=32)  # recent idle gaps between served ones
         self._last_served = configured  # the count the last served forward ran at
-        self._served_log: deque[tuple[float, float]] = deque(maxlen=512)  # (end, seconds)
+        # (end, seconds) of the served forwards that ended in the last ``busy_window_s``
+        self._served_log: deque[tuple[float, float]] = deque()
+        self._served_sum = 0.0  # ... their seconds
+        # the shadow loop waits for a gap that no served forward's end brings, only time
+        # (all that is due waits for a gap, the busy share is over ``busy_max``): a served
+        # forward that ends wakes it only once that share is under, or at ``_floor_due``
+        self._waiting_gap = False
+        self._floor_due = 0.0
         self.frozen_beside = 0  # served forwards that froze a shadow sharing their cores
         self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
         # idle time a shadow that shares the served forwards' cores waits for before it
@@ -431,7 +439,7 @@ class AdaptiveThreads:
         (not measured apart: with the hold, mode 2 at 16 connections went from 0.85x to
         1.04x fixed 2 in one A/B, where comparisons were no longer frozen too)."""
         gaps = list(self._gaps)[-8:]
-        hold = min(self.settings.thaw_hold_s, 2 * float(np.median(gaps))) if gaps else 0.0
+        hold = min(self.settings.thaw_hold_s, 2 * statistics.median(gaps)) if gaps else 0.0
         if self._thawer is None or hold <= 0:
             self.pause_shadows(False)
             return
@@ -444,7 +452,7 @@ class AdaptiveThreads:
         as it was when learned) when there are none."""
         since = self.clock() - self.settings.contention_fresh_s
         kept = [x for at, x in self._slowdowns.get(n, ()) if at >= since]
-        return float(np.median(kept)) if kept else 1.0
+        return statistics.median(kept) if kept else 1.0  # a few: np.median costs 15 us
 
     def _under_contention(self, lo: int, r: RangeLearning) -> tuple[int, str | None]:
         """Mode 2, a range serving its learned count L: each count's time when learned
@@ -518,18 +526,22 @@ class AdaptiveThreads:
         with self.lock:
             self._busy = max(0, self._busy - 1)
             self._epoch += 1
+            now = self.clock()
             if not self._busy:
-                self._idle_since = self.clock()
+                self._idle_since = now
             if result is not None:
                 self._last_served = result.num_threads
-                self._served_log.append((self.clock(), result.forward_s))
+                self._served_log.append((now, result.forward_s))
+                self._served_sum += result.forward_s
+            busy = self._busy_share(now)  # (and it forgets what left the window)
             timed = self._timed.pop(id(batch), (False, False, -1, None))
             if timed[0]:
                 self._paused -= 1
                 if not self._paused:
                     self._thaw()
-            if self._jobs:  # the shadow loop waits for no served forward to run
-                self.lock.notify_all()
+            if self._jobs and (not self._waiting_gap or now >= self._floor_due
+                               or busy <= self.settings.busy_max):
+                self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or self.locked_reason is not None or self.retired is not None:
                 return
             lo = size_range(batch.padded_tokens)[0]
@@ -578,6 +590,7 @@ class AdaptiveThreads:
                 self.replaced += self._jobs.pop(lo, None) is not None
                 self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts,
                                       result.forward_s)
+                self._waiting_gap = False
                 self.lock.notify_all()
 
     # -- shadows ---------------------------------------------------------------------------
@@ -595,6 +608,7 @@ class AdaptiveThreads:
                         self.clock() - self._started):
                 return False
             due = self._next_shadow()
+            self._waiting_gap = due is None
             if due is None:
                 return False
             lo, job, count, sharing = due
@@ -633,6 +647,7 @@ class AdaptiveThreads:
         now = self.clock()
         idle_s = now - self._idle_since
         quiet = idle_s >= self._quiet_s and self._busy_share(now) <= self.settings.busy_max
+        self._floor_due = float("inf")
         for lo, job in self._jobs.items():
             r = self.ranges.get(lo)
             for count in job.counts:
@@ -642,6 +657,8 @@ class AdaptiveThreads:
                 if audit and now - self._last_audit >= self.settings.audit_floor_s:
                     self._last_audit = now  # the floor: whatever the load
                     return lo, job, count, False
+                if audit:
+                    self._floor_due = self._last_audit + self.settings.audit_floor_s
                 if count + self._last_served <= max(self.counts) or window or (
                         job.served_threads != self.configured and not audit):
                     return lo, job, count, False
@@ -659,9 +676,15 @@ class AdaptiveThreads:
         ``busy_max`` requests queue, and any time a shadow takes from them comes back
         amplified in their latency (a 1-thread worker at 60% of capacity: mode 1's p99 went
         1.7x with shadows that fitted the gaps)."""
-        since = now - self.settings.busy_window_s
-        return sum(min(s, end - since) for end, s in self._served_log
-                   if end > since) / self.settings.busy_window_s
+        since, kept = now - self.settings.busy_window_s, self._served_log
+        while kept and kept[0][0] <= since:
+            self._served_sum -= kept.popleft()[1]
+        if not kept:
+            self._served_sum = 0.0  # no rounding carried over
+            return 0.0
+        end, first = kept[0]  # the oldest may have begun before the window
+        return (self._served_sum - max(0.0, first - (end - since))) / \
+            self.settings.busy_window_s
 
     def run_shadow(self, batch: TokenBatch, count: int) -> ForwardResult:
         """One shadow forward (a due one, or a warm-up), counted as running meanwhile."""
