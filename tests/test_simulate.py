@@ -185,3 +185,27 @@ def test_a_learned_count_3x_or_6x_faster_than_the_configured_is_served_and_never
     tail = outcome.served_threads[len(outcome.served_threads) // 4:]
     assert tail == [16] * len(tail)
     assert changes(outcome, trace, 1024) == [changes(outcome, trace, 1024)[0]]
+
+
+def test_a_range_relearnt_to_a_count_that_passed_its_window_serves_it_at_once():
+    """R4.6, R4.11: a count that passed its transition window for a range in this worker
+    passed it for good (a drift would have retired learning), so a relearn that lands on it
+    again serves it from that forward, not the configured count meanwhile. 16 cores; a
+    neighbour takes 14 of them twice: the second time, the range relearns 2, which passed
+    its window the first time."""
+    seen = []
+    for seed in (1, 2, 3):
+        host = SimulatedHost(TimeModel(16), [Neighbour(14, 300, 420), Neighbour(14, 600, 720)],
+                             seed=seed)
+        tuner, update = host.tuner, host.tuner._update
+
+        def spy(lo, r, update=update, tuner=tuner):  # the real method, watched
+            passed, before = r.passed, r.learned
+            update(lo, r)
+            if before is None and r.learned in passed:
+                seen.append((lo, r.learned, tuner.ranges[lo].serving))
+
+        tuner._update = spy
+        host.run(poisson_trace(12, 900, SIZES, seed=seed))
+    assert any(lo == 1024 and n == 2 for lo, n, _ in seen), seen
+    assert all(serving for *_, serving in seen), seen

@@ -46,7 +46,8 @@ at another count, in turn, compared with the samples it was learned from; served
 with the first ones served after learning), and a range where one count's time moved by
 ``relearn_factor`` either way explores again from fresh samples (when a probe moved, mode 2
 goes on serving the count it had verified until the new one passes its window; when the
-served count itself moved, it serves the configured count meanwhile). A new worker starts from
+served count itself moved, it serves the configured count meanwhile; a count that passed its
+window for the range in this worker serves at once when relearnt). A new worker starts from
 fresh samples too; the record keeps the old ones as history, and its drift and voucher hold.
 
 Drift is host-wide (R4.8): a ``RecordWatch`` thread of the tuner's own reads the record's
@@ -143,6 +144,11 @@ class RangeLearning:
     # other a shadow): a learned count's transition window counts them from the start
     verified: dict[int, int] = field(default_factory=dict)
     contended_since: float | None = None  # serving a count below it under contention
+    # mode 2: counts that passed their transition window for this range in this worker,
+    # kept across relearning: relearnt, such a count serves at once (a drift would have
+    # retired learning; a host-wide slowdown relearnt a range at 16 connections and it served
+    # the configured count, 0.6x as fast, while it passed its window again)
+    passed: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -484,7 +490,8 @@ class AdaptiveThreads:
         elif now - r.contended_since > s.contention_relearn_s:
             log.info("threads_relearn range=%d-%d contended_s=%.0f", lo, 2 * lo - 1,
                      now - r.contended_since)
-            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1)
+            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
+                                            passed=r.passed)
             self._jobs.pop(lo, None)
             return self.configured, None
         if now - self._last_probe >= s.contention_probe_s:
@@ -752,8 +759,8 @@ class AdaptiveThreads:
             return
         r.learned, r.serving, r.relearning = new, False, False
         r.streak = r.verified.get(new, 0)  # passes it already made while the range explored
-        if new == r.keep_serving:  # relearnt the count it went on serving: verified already
-            r.serving = True
+        if new == r.keep_serving or new in r.passed:  # relearnt a count verified already
+            r.serving = self.voucher.covers_counts(new, self.configured)
         if new == self.configured or r.serving or self.mode is not AdaptiveMode.SERVE:
             r.keep_serving = None
         r.baselines = {(n, "shadow"): typical(v) for n, v in r.per_token.items()}
@@ -767,7 +774,7 @@ class AdaptiveThreads:
                 and r.learned not in (None, self.configured)
                 and r.streak >= self.settings.window
                 and self.voucher.covers_counts(r.learned, self.configured)):
-            r.serving, r.keep_serving = True, None
+            r.serving, r.keep_serving, r.passed = True, None, r.passed | {r.learned}
             log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
                      lo, 2 * lo - 1, r.learned, r.streak)
 
@@ -796,7 +803,7 @@ class AdaptiveThreads:
                      lo, 2 * lo - 1, key[0], key[1], float(np.median(recent)) / baseline)
             keep = r.learned if r.serving and key[1] == "shadow" else None  # not if it slowed
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
-                                            keep_serving=keep)
+                                            keep_serving=keep, passed=r.passed)
             self._jobs.pop(lo, None)
 
     def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:
