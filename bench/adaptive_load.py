@@ -211,13 +211,16 @@ def main() -> None:
 
     def interleaved(servers: dict[str, Server], level: str, path: str, conns: int,
                     table: dict, target: float | None = None, section: str = "") -> None:
-        """``--rounds`` rounds, each server once per round (the order rotates), so a drift
-        of the shared host falls on every server alike; the table keeps each server's
-        median per figure, the raw rounds go to ``out["rounds"]``."""
+        """``--rounds`` rounds, each server once per round (the order rotates, and runs
+        backwards every other round, so no server always follows the same one: an adaptive
+        server learning once its own run ends slows whichever comes next), so a drift of
+        the shared host falls on every server alike; the table keeps each server's median
+        per figure, the raw rounds go to ``out["rounds"]``."""
         names = list(servers)
         runs: dict[str, list[dict]] = {n: [] for n in names}
         for i in range(args.rounds):
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            order = names[i % len(names):] + names[:i % len(names)]
+            for name in order[::-1] if i % 2 else order:
                 runs[name].append(measure(name, level, servers[name].url, path, conns, target))
         for name, rs in runs.items():
             out["rounds"].setdefault(name, {})[level + section] = rs

@@ -174,6 +174,44 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
         runner.stop()
 
 
+def test_an_idle_worker_backs_off_a_shadow_that_other_tasks_cpus_held_up(tmp_path):
+    """R4.5: a worker with no traffic of its own is always idle, so idle time cannot space out
+    the retries of a 2-thread shadow (it shares the cores of a 1-thread served forward) that a
+    CPU-bound task elsewhere held up. Each such try runs beside that task and costs it (here
+    another server, measured next, was 15-20% slower), so the next try waits twice as long,
+    up to ``held_backoff_max_s``; once the task is gone the count is timed."""
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    runner, tuner, _ = shadowed_runner(
+        manifest, backend, AdaptiveMode.LEARN,
+        Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
+        TunerSettings(min_samples=3, budget_fraction=1.0),
+        EngineArgs(num_threads=1, cache_entries=0))
+    lo = size_range(120)[0]
+    neighbour = None
+    try:
+        wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
+        neighbour = hog()
+        time.sleep(0.3)
+        runner.engine.submit([row(120)]).result(timeout=60)
+        time.sleep(6)  # no traffic: only the backoff spaces the tries out
+        with tuner.lock:
+            tries = tuner.preempted
+        neighbour.kill()
+        neighbour.wait(10)
+        neighbour = None
+        wait_until(lambda: len(tuner.ranges[lo].samples.get(2, ())) >= 3, 60,
+                   "2 threads timed once the neighbour left")
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait(10)
+        runner.stop()
+    print(f"tries held up in 6 s: {tries}")
+    # 0.1 + 0.2 + ... + 3.2 s: at most 7 in 6 s (plus the 1-thread one, not retried)
+    assert 1 <= tries <= 9, tries
+
+
 def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_lasts(tmp_path):
     """16 clients keep the engine busy; its micro-batches reach ranges no single request
     does. Every range the load keeps reaching gets a learned count before it stops; served

@@ -118,6 +118,10 @@ class TunerSettings:
     contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
     contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
+    # a core-sharing shadow whose threads waited for CPUs other tasks held: the next starts
+    # this long after at most (doubling from 0.1 s, halved by a clean one): an idle worker
+    # retrying at once beside another busy server cost that one's forwards 15-20%
+    held_backoff_max_s: float = 8.0
     audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
     busy_max: float = 0.3  # ... and only while served forwards took at most this share of
     busy_window_s: float = 1.0  # the last this many seconds
@@ -226,6 +230,8 @@ class AdaptiveThreads:
         # idle time a shadow that shares the served forwards' cores waits for before it
         # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
         self._quiet_s = 0.0
+        self._held_backoff_s = 0.0  # ... and after one that other tasks' CPUs held up, the
+        self._sharing_after = 0.0  # next starts only from then (``held_backoff_max_s``)
         self._last_audit = -1e9  # when the last audit of a range serving a learned count ran
         self.served_samples = 0  # samples taken from served forwards
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
@@ -634,8 +640,15 @@ class AdaptiveThreads:
             if sharing:
                 self._quiet_s = self._quiet_s / 2 if clean else min(
                     self.settings.quiet_max_s, max(2 * self._quiet_s, 0.002))
+                if self.preempted != before:  # other tasks held its CPUs: back off in time
+                    self._held_backoff_s = min(self.settings.held_backoff_max_s,
+                                               max(2 * self._held_backoff_s, 0.1))
+                    self._sharing_after = self.clock() + self._held_backoff_s
+                elif clean:
+                    self._held_backoff_s /= 2
             # a preempted one is not run again on this batch, unless it shares cores with
-            # served forwards: then ``_quiet_s`` spaces its tries out (the load may be over)
+            # served forwards: then ``_quiet_s`` and the backoff space its tries out (the load
+            # may be over; idle time alone does not: a worker with no traffic is always idle)
             self._after_shadow(lo, job, count, result, clean,
                                retry=sharing or self.preempted == before)
         return True
@@ -647,7 +660,8 @@ class AdaptiveThreads:
         count, on cores the next served forward will need too, starts only once the worker
         has been idle ``_quiet_s`` and the next forward will likely not cut in
         (``likely_uninterrupted``): it would be frozen and its time thrown away, and the
-        frontend's work in the gap, which no freeze covers, runs beside it. Such audits run
+        frontend's work in the gap, which no freeze covers, runs beside it; and, after one
+        that waited for CPUs other tasks held, once its backoff has passed. Such audits run
         at least every ``audit_floor_s`` whatever the load. The other comparisons (the
         window, audits of what a range served while it explored) always run, unfrozen
         beside served forwards that are not timed."""
@@ -672,7 +686,8 @@ class AdaptiveThreads:
                 known = r.samples.get(count) if r is not None else None
                 need_s = typical(known) / 1000 if known else \
                     job.served_s * job.served_threads / count
-                if quiet and likely_uninterrupted(self._gaps, idle_s, need_s):
+                if quiet and now >= self._sharing_after and \
+                        likely_uninterrupted(self._gaps, idle_s, need_s):
                     if audit:
                         self._last_audit = now
                     return lo, job, count, True
