@@ -112,6 +112,8 @@ class Engine:
         self.args = args
         self.threads = threads or FixedThreads(args.num_threads)
         self.context = context or thread_context()
+        # onnxruntime's count is the session's, not the OS thread's: any thread may run it
+        self._inline = not getattr(backend, "thread_bound", True)
         self.on_forward = on_forward
         self._cond = threading.Condition()
         self._requests: dict[int, _Request] = {}
@@ -166,16 +168,14 @@ class Engine:
         return self.forward_batch(pad(rows), num_threads)
 
     def forward_batch(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
-        """One direct forward of a padded batch on the lane of ``num_threads``."""
+        """One direct forward of a padded batch at ``num_threads`` (see ``_run``)."""
         return self._run(num_threads, lambda: self.backend.forward(batch, num_threads))
 
     def _run(self, num_threads: int, fn: Callable[[], ForwardResult]) -> ForwardResult:
         """``fn`` at ``num_threads``: on the calling thread where the backend's count is not
         the OS thread's (onnxruntime), else on the count's lane. A hop to a lane and back
         cost mode 2 serving 2 of 1 configured thread about 5% of a short forward here."""
-        if getattr(self.backend, "thread_bound", True):
-            return self.context.run(num_threads, fn)
-        return fn()
+        return fn() if self._inline else self.context.run(num_threads, fn)
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
