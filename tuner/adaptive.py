@@ -15,10 +15,11 @@ Idle class is not free where a shadow shares cores with served work (its count p
 one over the budget): here a 2-thread idle-class shadow beside 1-thread served forwards made
 them 1.5x slower, a 1-thread one not at all. So a shadow that only times a count on such
 cores starts only when the worker has been idle long enough that the next served forward will
-likely not cut in (recent idle gaps; ``_quiet_s`` doubles each time one was cut in on), and a
-served forward that cuts in freezes it (held frozen a few ms after, in case the next one
-follows at once): under closed-loop load, where every gap is a client's turnaround, such
-shadows wait for the load to pause instead of being started, frozen and thrown away.
+likely not cut in (recent idle gaps; ``_quiet_s`` doubles each time one was cut in on and
+halves each second), and a served forward that cuts in freezes it (held frozen a few ms
+after, in case the next one follows at once): under closed-loop load, where every gap is a
+client's turnaround, such shadows wait for the load to pause instead of being started, frozen
+and thrown away.
 Comparisons (mode 2's window, audits of what exploring served) run whenever no served forward
 does, unfrozen; audits of a range serving its learned count wait for a gap too, but run at
 least every ``audit_floor_s``.
@@ -118,9 +119,17 @@ class TunerSettings:
     contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
     contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
-    # a core-sharing shadow whose threads waited for CPUs other tasks held: the next starts
-    # this long after at most (doubling from 0.1 s, halved by a clean one): an idle worker
-    # retrying at once beside another busy server cost that one's forwards 15-20%
+    # ... which halves each this many seconds too: gaps shorter than it, always, would
+    # otherwise keep every such shadow out for good (mode 1 under steady 35-ms gaps, after
+    # a few shadows were cut into: 17 comparisons in 30 s, none timed)
+    quiet_halflife_s: float = 1.0
+    # core-sharing shadows whose threads waited for CPUs other tasks held, this many in a
+    # row: the next starts 0.1 s after, doubling with each more up to ``held_backoff_max_s``
+    # (a clean one ends the run): an idle worker retrying at once beside another busy
+    # server cost that one's forwards 15-20%. Not after one alone: on 2 cores the frontend
+    # and the client hold a CPU in part of each gap, and backing off after each such one
+    # kept mode 1 from timing 2 threads at all under steady traffic
+    held_streak: int = 3
     held_backoff_max_s: float = 8.0
     audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
     busy_max: float = 0.3  # ... and only while served forwards took at most this share of
@@ -225,13 +234,19 @@ class AdaptiveThreads:
         # forward that ends wakes it only once that share is under, or at ``_floor_due``
         self._waiting_gap = False
         self._floor_due = 0.0
+        # when a core-sharing shadow that waits for idle time (``_quiet_s``, the backoff)
+        # may start, if no served forward comes first: the shadow loop wakes then, not at
+        # its next poll (a shadow that started 30 ms into 35-ms gaps was cut into, and each
+        # one cut into doubled the idle time the next waited for, past the gaps)
+        self._sharing_at = float("inf")
         self.frozen_beside = 0  # served forwards that froze a shadow sharing their cores
         self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
         # idle time a shadow that shares the served forwards' cores waits for before it
         # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
         self._quiet_s = 0.0
-        self._held_backoff_s = 0.0  # ... and after one that other tasks' CPUs held up, the
-        self._sharing_after = 0.0  # next starts only from then (``held_backoff_max_s``)
+        self._quiet_since = clock()  # ... set then; it halves each ``quiet_halflife_s``
+        self._held_run = 0  # ... those in a row that other tasks' CPUs held up; the next
+        self._sharing_after = 0.0  # starts only from then (``held_streak``)
         self._last_audit = -1e9  # when the last audit of a range serving a learned count ran
         self.served_samples = 0  # samples taken from served forwards
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
@@ -638,14 +653,18 @@ class AdaptiveThreads:
                 self.preempted += 1
                 clean = False
             if sharing:
-                self._quiet_s = self._quiet_s / 2 if clean else min(
-                    self.settings.quiet_max_s, max(2 * self._quiet_s, 0.002))
+                now = self.clock()
+                quiet_s = self._quiet(now)
+                self._quiet_s = quiet_s / 2 if clean else min(
+                    self.settings.quiet_max_s, max(2 * quiet_s, 0.002))
+                self._quiet_since = now
                 if self.preempted != before:  # other tasks held its CPUs: back off in time
-                    self._held_backoff_s = min(self.settings.held_backoff_max_s,
-                                               max(2 * self._held_backoff_s, 0.1))
-                    self._sharing_after = self.clock() + self._held_backoff_s
+                    self._held_run += 1
+                    if (more := self._held_run - self.settings.held_streak) >= 0:
+                        self._sharing_after = now + min(self.settings.held_backoff_max_s,
+                                                        0.1 * 2 ** min(more, 16))
                 elif clean:
-                    self._held_backoff_s /= 2
+                    self._held_run = 0
             # a preempted one is not run again on this batch, unless it shares cores with
             # served forwards: then ``_quiet_s`` and the backoff space its tries out (the load
             # may be over; idle time alone does not: a worker with no traffic is always idle)
@@ -663,12 +682,17 @@ class AdaptiveThreads:
         frontend's work in the gap, which no freeze covers, runs beside it; and, after one
         that waited for CPUs other tasks held, once its backoff has passed. Such audits run
         at least every ``audit_floor_s`` whatever the load. The other comparisons (the
-        window, audits of what a range served while it explored) always run, unfrozen
-        beside served forwards that are not timed."""
+        window, audits of what a range served while it explored, a count that fits beside
+        the count served) always run, unfrozen beside served forwards that are not timed;
+        in a quiet gap, one that needs the gap goes first (mode 1 on 2 cores: a 15-ms
+        1-thread shadow took the first half of each 35-ms gap and every 2-thread one that
+        followed was cut into)."""
         now = self.clock()
         idle_s = now - self._idle_since
-        quiet = idle_s >= self._quiet_s and self._busy_share(now) <= self.settings.busy_max
-        self._floor_due = float("inf")
+        calm, quiet_s = self._busy_share(now) <= self.settings.busy_max, self._quiet(now)
+        quiet = idle_s >= quiet_s and calm
+        self._floor_due = self._sharing_at = float("inf")
+        anytime: tuple[int, _Job, int, bool] | None = None
         for lo, job in self._jobs.items():
             r = self.ranges.get(lo)
             for count in job.counts:
@@ -682,7 +706,10 @@ class AdaptiveThreads:
                     self._floor_due = self._last_audit + self.settings.audit_floor_s
                 if count + self._last_served <= max(self.counts) or window or (
                         job.served_threads != self.configured and not audit):
-                    return lo, job, count, False
+                    if not quiet:
+                        return lo, job, count, False
+                    anytime = anytime or (lo, job, count, False)
+                    continue  # the gap goes to a shadow that needs one, if any may start
                 known = r.samples.get(count) if r is not None else None
                 need_s = typical(known) / 1000 if known else \
                     job.served_s * job.served_threads / count
@@ -691,7 +718,15 @@ class AdaptiveThreads:
                     if audit:
                         self._last_audit = now
                     return lo, job, count, True
-        return None
+                if calm:  # the shadow loop wakes when the idle time it waits for is reached
+                    self._sharing_at = min(self._sharing_at, max(
+                        self._idle_since + quiet_s, self._sharing_after))
+        return anytime
+
+    def _quiet(self, now: float) -> float:
+        """The idle time a core-sharing shadow waits for now (``_quiet_s``, decayed)."""
+        return self._quiet_s * 0.5 ** (max(0.0, now - self._quiet_since) /
+                                       self.settings.quiet_halflife_s)
 
     def _busy_share(self, now: float) -> float:
         """The share of the last ``busy_window_s`` that served forwards took. Above

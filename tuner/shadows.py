@@ -214,9 +214,12 @@ class ShadowLoop:
                 if (t._dirty_samples or t._dirty_learned or t._unflushed_comparisons) and \
                         t.clock() - t._last_flush >= t.settings.flush_s:
                     t.flush()
-                with t.lock:  # woken when a served forward ends
+                with t.lock:  # woken when a served forward ends, or a shadow may start
                     if not self._stop:
-                        t.lock.wait(timeout=0.05 if t._jobs else t.settings.flush_s)
+                        wait_s = 0.05 if t._jobs else t.settings.flush_s
+                        if t._sharing_at > (now := t.clock()):
+                            wait_s = min(wait_s, t._sharing_at - now)
+                        t.lock.wait(timeout=wait_s)
         except Exception as exc:  # learning stops; serving goes on, and the report says why
             t.shadow_error = f"shadow forwards stopped: {exc}"
             log.exception("shadow_loop_failed")

@@ -156,7 +156,9 @@ class SimulatedHost:
             self._next = arrival
             while tuner is not None and self.now_s < arrival.at_s and self._early is None:
                 if not tuner.step():
-                    break
+                    if not self.now_s < tuner._sharing_at < arrival.at_s:
+                        break
+                    self.now_s = tuner._sharing_at  # the loop wakes when a shadow may start
             start_s = max(self.now_s, arrival.at_s)
             batch = _batch(arrival.padded_tokens)
             explored = False
