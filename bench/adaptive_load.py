@@ -44,9 +44,12 @@ Sections (``--only``):
 
 Read the tables as one run on a shared machine: req/s counts every completed response,
 non-2xx ones (429 overload, 504 deadline) included and also shown apart; p50/p99/mean are
-wrk's over all responses. The targets table is met/missed for this run only; a noisy host
-(other jobs, the neighbour) moves fixed counts by large factors between minutes, so repeat
-before drawing conclusions. Results go to ``--out`` as JSON (NaN written as null).
+wrk's over all responses. The targets table is met/missed for this run only, on the medians;
+beside it, each target as paired ratios (round by round, against the other server's figure
+in the same round: the two ran within a minute of each other) with their median and how
+many rounds met the goal. A noisy host (other jobs, the neighbour) moves fixed counts by
+large factors between minutes, so repeat before drawing conclusions. Results go to
+``--out`` as JSON (NaN written as null).
 """
 
 from __future__ import annotations

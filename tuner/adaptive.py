@@ -130,6 +130,12 @@ class TunerSettings:
     # and the client hold a CPU in part of each gap, and backing off after each such one
     # kept mode 1 from timing 2 threads at all under steady traffic
     held_streak: int = 3
+    # ... but after one alone where its threads waited this share of its time or more: a
+    # CPU-bound task held a CPU throughout (over 1.0 beside one such process here). Retried
+    # up to the streak beside a neighbour on one core half the time, mode 2 froze 705 shadows
+    # for served forwards in a 5-minute bench section; with this, 317 (one run each; the
+    # backoff after every held-up one: 47)
+    held_hog: float = 0.5
     held_backoff_max_s: float = 8.0
     audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
     busy_max: float = 0.3  # ... and only while served forwards took at most this share of
@@ -659,7 +665,11 @@ class AdaptiveThreads:
                     self.settings.quiet_max_s, max(2 * quiet_s, 0.002))
                 self._quiet_since = now
                 if self.preempted != before:  # other tasks held its CPUs: back off in time
-                    self._held_run += 1
+                    # at once where one held a CPU for most of the shadow's length (a
+                    # CPU-bound task: a neighbour, another busy server)
+                    hog = (result.waited_s or 0.0) >= self.settings.held_hog * result.forward_s
+                    self._held_run = max(self._held_run + 1,
+                                         self.settings.held_streak if hog else 0)
                     if (more := self._held_run - self.settings.held_streak) >= 0:
                         self._sharing_after = now + min(self.settings.held_backoff_max_s,
                                                         0.1 * 2 ** min(more, 16))
