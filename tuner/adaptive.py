@@ -40,7 +40,10 @@ Every shadow, timed or not, is compared bit for bit with the served answer. Equa
 comparison (and mode 2's transition window moves on). Any difference is drift: learning
 retires for good for this scope (stored durably) and every range serves the configured count.
 
-A count is learned once every allowed count has ``min_samples`` clean samples; it then stays
+A count is learned once every allowed count has ``min_samples`` clean samples and the first of
+them is ``min_span_s`` old (each count's samples spaced over that time, so a neighbour's
+phase of a few seconds does not decide alone; meanwhile mode 2 serves the vouched count that
+looks fastest so far between samples); it then stays
 until relearning (R4.11): forwards at each count are compared with forwards at that same
 count when the range was learned (every ``audit_every``-th served forward gets a probe shadow
 at another count, in turn, compared with the samples it was learned from; served forwards
@@ -109,6 +112,15 @@ class TunerSettings:
     probe_window: int = 4  # probe shadows at one count each relearning check rests on
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 48  # recent samples per count per range that decisions rest on
+    # ... and a range learns only once its first sample is this old, each count's samples
+    # at least ``min_span_s / min_samples`` apart (between them mode 2 serves the count that
+    # looks fastest so far): a host-wide condition of a few seconds does not decide alone,
+    # and a range the load reaches often does not explore for longer than one rarely. At one
+    # connection 12 samples of a range took about 2 s, one phase of a neighbour on a core
+    # 2 s of each 4: beside it mode 2 learned 1 thread for 32-255 padded tokens, where its
+    # samples over the whole run put 2 threads 1.2-1.4x ahead, and kept it (1 thread does not
+    # slow beside a one-core hog, and shadows at 2 are core-sharing: they wait for gaps)
+    min_span_s: float = 5.0
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
     # mode 2 under contention: a learned count that now runs slower than a count below it
@@ -153,6 +165,8 @@ class RangeLearning:
     serving: bool = False
     relearning: bool = False
     relearns: int = 0
+    since: float | None = None  # when this exploration took its first sample
+    last_at: dict[int, float] = field(default_factory=dict)  # count -> its latest sample
     keep_serving: int | None = None  # mode 2, relearning: the verified count served meanwhile
     served_at_learned: int = 0
     # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
@@ -220,7 +234,7 @@ class AdaptiveThreads:
         self._shadow_epoch = 0  # shadow forwards started plus ended
         # served forwards running: id(batch) -> (it froze the shadow side, no shadow could
         # run at its start, shadow epoch then)
-        self._timed: dict[int, tuple[bool, bool, int]] = {}
+        self._timed: dict[int, tuple[bool, bool, int, str | None, bool]] = {}
         self._paused = 0  # served forwards running with the shadow side frozen
         self._held = False  # ... none now, but it stays frozen until ``_thaw_at``
         self._thaw_at = 0.0
@@ -424,11 +438,12 @@ class AdaptiveThreads:
                 r = self.ranges[lo]
             exploring = r is not None and r.learned is None and self.locked_reason is None \
                 and self.retired is None
+            need = self._need(r) if exploring else []
             if exploring and self.mode is AdaptiveMode.SERVE and self.voucher.vouches:
                 if not r.explore_served:  # vouched: time each count on served forwards
                     r.explore_served = True
                     log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
-                n = self._explore_count(r, n)
+                n = self._explore_count(r, n, need)
             if n != self.configured and not self.voucher.covers(
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
                 self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
@@ -449,8 +464,9 @@ class AdaptiveThreads:
             # and no shadow starts until this forward ends
             sharing = self._shadowing and self._shadow_gated and \
                 self._shadow_threads + n > max(self.counts)
+            sampling = r is None or (exploring and self._due(r, n))  # it is a sample
             want = self.pause_shadows is not None and self._shadowing and (
-                exploring or sharing)
+                sampling or sharing)
             if self._held:  # still frozen since the last forward: no signal either way
                 self._held = False
                 frozen = bool(want) or self.pause_shadows(False)
@@ -460,7 +476,7 @@ class AdaptiveThreads:
                 self._paused += 1
                 self.frozen_beside += sharing
             self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
-                                      self._shadow_epoch, contention)
+                                      self._shadow_epoch, contention, sampling)
             return n
 
     def _thaw(self) -> None:
@@ -538,12 +554,15 @@ class AdaptiveThreads:
                 kept.clear()
         kept.append((self.clock(), slowdown))
 
-    def _explore_count(self, r: RangeLearning, serving: int) -> int:
-        """The count with the fewest samples among those a range still needs (ties: the one
-        nearest the count it serves), or ``serving`` when none is needed."""
-        need = counts_needing_samples(r.samples, self.counts, self.settings.min_samples)
+    def _explore_count(self, r: RangeLearning, serving: int, need: list[int]) -> int:
+        """The count with the fewest samples among those a range needs now (ties: the one
+        nearest the count it serves); when none is due, the vouched count fastest so far
+        (``serving`` before any has a few samples)."""
         if not need:
-            return serving
+            known = [n for n in self.counts if len(r.samples.get(n, ())) >= 3
+                     and self.voucher.covers_counts(n, self.configured)]
+            return min(known, key=lambda n: (typical(r.samples[n]), n != serving, n)) \
+                if known else serving
         return min(need, key=lambda n: (len(r.samples.get(n, ())),
                                         abs(n.bit_length() - serving.bit_length()), n))
 
@@ -568,7 +587,7 @@ class AdaptiveThreads:
                 self._served_log.append((now, result.forward_s))
                 self._served_sum += result.forward_s
             busy = self._busy_share(now)  # (and it forgets what left the window)
-            timed = self._timed.pop(id(batch), (False, False, -1, None))
+            timed = self._timed.pop(id(batch), (False, False, -1, None, False))
             if timed[0]:
                 self._paused -= 1
                 if not self._paused:
@@ -598,17 +617,19 @@ class AdaptiveThreads:
                     self._watch(lo, r, (result.num_threads, "served"), per_token,
                                 s.relearn_window)
                 r = self.ranges[lo]
-            elif timed[0] or (timed[1] and timed[2] == self._shadow_epoch):
+            elif timed[4] and (timed[0] or (timed[1] and timed[2] == self._shadow_epoch)):
                 self.served_samples += 1  # shadows frozen, or none ran beside it: clean
                 self._sample(lo, r, result.num_threads, result.forward_s * 1000,
                              batch.padded_tokens)
                 r = self.ranges[lo]
                 if r.learned is not None:
                     self._maybe_serve(lo, r)
+            need = self._need(r) if r.learned is None else []
+            if r.learned is None and not need:  # its span passed with no sample since
+                self._update(lo, r)
+                r = self.ranges[lo]
             if r.learned is not None:
                 r.served_at_learned += 1
-            need = counts_needing_samples(r.samples, self.counts, s.min_samples) \
-                if r.learned is None else []
             window_due = (self.mode is AdaptiveMode.SERVE and not r.serving
                           and r.learned not in (None, self.configured)
                           and self.voucher.covers_counts(r.learned, self.configured))
@@ -783,8 +804,7 @@ class AdaptiveThreads:
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)
-        if retry and r.learned is None and count in counts_needing_samples(
-                r.samples, self.counts, self.settings.min_samples):
+        if retry and r.learned is None and count in self._need(r):
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
             # (if not ``retry``, after it waited for CPUs other tasks held: they likely
             # still do; the range's next served batch brings the count again)
@@ -800,8 +820,31 @@ class AdaptiveThreads:
             self._dirty_learned.add(lo)
         self._maybe_serve(lo, r)
 
+    def _target(self, r: RangeLearning) -> int:
+        """Samples each count of an exploring range needs: ``min_samples`` once its first
+        is ``min_span_s`` old; until then every count goes on being sampled (the decision
+        rests on the latest ``max_samples``)."""
+        s = self.settings
+        if r.since is not None and self.clock() - r.since >= s.min_span_s:
+            return s.min_samples
+        return 1 << 30
+
+    def _need(self, r: RangeLearning) -> list[int]:
+        """Counts an exploring range takes a sample of now (``_target``; each count's
+        samples ``min_span_s / min_samples`` apart)."""
+        return [n for n in counts_needing_samples(r.samples, self.counts, self._target(r))
+                if self._due(r, n)]
+
+    def _due(self, r: RangeLearning, n: int) -> bool:
+        """Whether a forward at ``n`` may be a sample of an exploring range now."""
+        s, at = self.settings, r.last_at.get(n)
+        return at is None or self.clock() - at >= s.min_span_s / max(1, s.min_samples)
+
     def _sample(self, lo: int, r: RangeLearning, count: int, ms: float, tokens: int) -> None:
         keep = self.settings.max_samples
+        r.last_at[count] = self.clock()
+        if r.since is None:
+            r.since = r.last_at[count]
         for store, value in ((r.samples, ms), (r.per_token, ms / tokens)):
             kept = store.setdefault(count, [])
             kept.append(value)
@@ -814,7 +857,7 @@ class AdaptiveThreads:
 
     def _update(self, lo: int, r: RangeLearning) -> None:
         s = self.settings
-        new = learned_count(r.samples, self.counts, self.configured, s.min_samples, s.margin)
+        new = learned_count(r.samples, self.counts, self.configured, self._target(r), s.margin)
         if new is None:
             return
         r.learned, r.serving, r.relearning = new, False, False
