@@ -106,7 +106,7 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
     references = [context.run(1, lambda r=r: backend.forward(pad([r]), 1)).outputs
                   for r in rows]
     context.shutdown()
-    runner, tuner = start(SlowerAt(backend, 1, 1000.0), record, AdaptiveMode.SERVE, 1, (1, 2))
+    runner, tuner = start(SlowerAt(backend, 1, 5.0), record, AdaptiveMode.SERVE, 1, (1, 2))
     try:
         for r, reference in zip(rows, references, strict=True):
             served = serve_paced(runner, tuner, r)
@@ -251,7 +251,7 @@ def test_a_restarted_worker_learns_from_fresh_samples_and_keeps_voucher_and_drif
         record.add_samples(scope, lo, 1, [1000.0] * 60)
         record.add_samples(scope, lo, 2, [1.0] * 60)
     record.put_learned(scope, 64, 2, 1000.0, 99)
-    backend = SlowerAt(backends["onnxruntime"], 2, 1000.0)  # now 2 threads are the slow ones
+    backend = SlowerAt(backends["onnxruntime"], 2, 5.0)  # now 2 threads are the slow ones
     runner, tuner = start(backend, record, AdaptiveMode.SERVE, 1, (1, 2))
     try:
         assert tuner.voucher.vouches and tuner.ranges == {}
