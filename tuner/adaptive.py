@@ -40,10 +40,9 @@ Every shadow, timed or not, is compared bit for bit with the served answer. Equa
 comparison (and mode 2's transition window moves on). Any difference is drift: learning
 retires for good for this scope (stored durably) and every range serves the configured count.
 
-A count is learned once every allowed count has ``min_samples`` clean samples and the first of
-them is ``min_span_s`` old (each count's samples spaced over that time, so a neighbour's
-phase of a few seconds does not decide alone; meanwhile mode 2 serves the vouched count that
-looks fastest so far between samples); it then stays
+A count is learned once every allowed count has ``min_samples`` clean samples (and, where
+``min_span_s`` is set, the first of them is that old, each count's samples spaced over that
+time; mode 2 serves the vouched count that looks fastest so far between them); it then stays
 until relearning (R4.11): forwards at each count are compared with forwards at that same
 count when the range was learned (every ``audit_every``-th served forward gets a probe shadow
 at another count, in turn, compared with the samples it was learned from; served forwards
@@ -112,15 +111,16 @@ class TunerSettings:
     probe_window: int = 4  # probe shadows at one count each relearning check rests on
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 48  # recent samples per count per range that decisions rest on
-    # ... and a range learns only once its first sample is this old, each count's samples
-    # at least ``min_span_s / min_samples`` apart (between them mode 2 serves the count that
-    # looks fastest so far): a host-wide condition of a few seconds does not decide alone,
-    # and a range the load reaches often does not explore for longer than one rarely. At one
-    # connection 12 samples of a range took about 2 s, one phase of a neighbour on a core
-    # 2 s of each 4: beside it mode 2 learned 1 thread for 32-255 padded tokens, where its
-    # samples over the whole run put 2 threads 1.2-1.4x ahead, and kept it (1 thread does not
-    # slow beside a one-core hog, and shadows at 2 are core-sharing: they wait for gaps)
-    min_span_s: float = 5.0
+    # ... and, where set, a range learns only once its first sample is this old, each count's
+    # samples at least ``min_span_s / min_samples`` apart (between them mode 2 serves the
+    # count that looks fastest so far), so a host-wide condition of a few seconds would not
+    # decide alone (beside a neighbour on a core 2 s of every 4, 12 samples per count at one
+    # connection fell in one of its phases and mode 2 learned 1 thread where 2 were 1.2-1.4x
+    # faster; the simulator shows it). Off by default: at 5 s, mode 1 on 2 cores timed 2
+    # threads once per range in a whole bench pass (every core-sharing shadow in the pauses
+    # held up by other tasks, the backoff at its longest), against 12-21 times with it off;
+    # why its shadows were held up only with it on is not found yet
+    min_span_s: float = 0.0
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
     # mode 2 under contention: a learned count that now runs slower than a count below it
