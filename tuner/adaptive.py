@@ -438,12 +438,11 @@ class AdaptiveThreads:
                 r = self.ranges[lo]
             exploring = r is not None and r.learned is None and self.locked_reason is None \
                 and self.retired is None
-            need = self._need(r) if exploring else []
             if exploring and self.mode is AdaptiveMode.SERVE and self.voucher.vouches:
                 if not r.explore_served:  # vouched: time each count on served forwards
                     r.explore_served = True
                     log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
-                n = self._explore_count(r, n, need)
+                n = self._explore_count(r, n, self._need(r))
             if n != self.configured and not self.voucher.covers(
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
                 self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
