@@ -233,7 +233,7 @@ class AdaptiveThreads:
         self._shadowing = 0  # shadow forwards running now
         self._shadow_epoch = 0  # shadow forwards started plus ended
         # served forwards running: id(batch) -> (it froze the shadow side, no shadow could
-        # run at its start, shadow epoch then)
+        # run at its start, shadow epoch then, contention's reason, it may be a sample)
         self._timed: dict[int, tuple[bool, bool, int, str | None, bool]] = {}
         self._paused = 0  # served forwards running with the shadow side frozen
         self._held = False  # ... none now, but it stays frozen until ``_thaw_at``
