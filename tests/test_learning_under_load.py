@@ -29,6 +29,7 @@ from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
+from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import preempted
@@ -107,14 +108,17 @@ def test_a_frozen_shadow_process_dies_with_its_worker(tmp_path):
 
 def shadowed_runner(manifest, backend, mode: AdaptiveMode, scope: Scope, record: HostRecord,
                     settings: TunerSettings, args: EngineArgs, on_forward=None,
-                    pause=None):
+                    pause=None, free_cpus: bool = True):
     """A runner with the tuner wired as a deployment wires it: shadows in the SCHED_IDLE
-    child process, frozen beside timed forwards (``pause``: the test may wrap it)."""
+    child process, frozen beside timed forwards (``pause``: the test may wrap it), the free
+    cores read from /proc (``free_cpus``; without, contention is probed)."""
     shadows = ShadowProcess(manifest, "onnxruntime")
     runner = Runner(manifest, backend, args, on_forward=on_forward)
     tuner = AdaptiveThreads(mode, 1, (1, 2), scope, record, runner.engine.forward_batch,
                             settings, shadow_forward=shadows.forward, on_close=shadows.close,
-                            pause_shadows=pause(shadows) if pause else shadows.pause)
+                            pause_shadows=pause(shadows) if pause else shadows.pause,
+                            free_cpu_s=FreeCpus(lambda: (shadows.process.pid,))
+                            if free_cpus else None)
     runner.engine.threads = tuner
     runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
     return runner, tuner, shadows
@@ -299,12 +303,15 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     assert not os.path.exists(f"/proc/{shadows.process.pid}/task")  # closed: gone
 
 
-def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(tmp_path):
+@pytest.mark.parametrize("free_cpus", [True, False], ids=["free-cores", "probes"])
+def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(tmp_path,
+                                                                                free_cpus):
     """Mode 2 serving a learned 2 threads (vouched): a CPU-bound neighbour takes a core and
     2 threads run ~2x slower while 1 thread does not slow; mode 2 serves 1 thread within a
-    few forwards, probing 2 threads every 0.25 s, and serves 2 again once the neighbour
-    leaves. A neighbour this brief relearns nothing. Real L3 on onnxruntime, a real
-    neighbour process, the real SCHED_IDLE shadow process."""
+    few forwards, and serves 2 again once the neighbour leaves: the free cores read from
+    /proc say so (then no probes), or, where they are not read, a forward at 2 threads every
+    0.25 s, two fast ones in a row. A neighbour this brief relearns nothing. Real L3 on
+    onnxruntime, a real neighbour process, the real SCHED_IDLE shadow process."""
     manifest = resolve(L3)
     backend = load_backend(manifest, "onnxruntime")
     record = HostRecord(tmp_path / "r.sqlite")
@@ -317,7 +324,8 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
     runner, tuner, _ = shadowed_runner(
         manifest, backend, AdaptiveMode.SERVE, scope, record,
         TunerSettings(min_samples=6, window=3, budget_fraction=1.0, min_span_s=0.0),
-        EngineArgs(num_threads=1, cache_entries=0), on_forward=forwards.append)
+        EngineArgs(num_threads=1, cache_entries=0), on_forward=forwards.append,
+        free_cpus=free_cpus)
     lo = size_range(128)[0]
     salt = iter(range(10**6))
 
@@ -339,21 +347,28 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
         assert serve(10).count(2) >= 9
         neighbour = hog()
         beside = serve(60)
-        # measured: 1 thread served 10-51 of these 60 (the kernel at times gives the
-        # 2 threads both cores for a while; a probe then ends it until 3 forwards show it
-        # again)
+        # measured with probes: 1 thread served 10-51 of these 60 (the kernel at times
+        # gives the 2 threads both cores for a while; a probe then ends it until 3 forwards
+        # show it again)
         assert tuner.contended >= 8 and beside.count(1) >= 8, (tuner.contended, beside)
         print("beside", beside, tuner.contended, tuner.contention_probes)
-        assert tuner.contention_probes >= 1
+        if free_cpus:  # the neighbour holds its core: nothing ends it, nothing probes
+            # (measured: 1 thread from the 5th-22nd of these forwards on, every one after)
+            assert tuner.contention_probes == 0 and tuner.contention_freed == 0
+            assert beside[beside.index(1):].count(2) <= 2, beside
+        else:
+            assert tuner.contention_probes >= 1
         neighbour.kill()
         neighbour.wait(10)
         neighbour = None
-        back = time.monotonic() + 10  # two fast probes, 0.25 s apart, end it
+        back = time.monotonic() + 10  # free cores, or two fast probes 0.25 s apart, end it
         while time.monotonic() < back and serve(10).count(2) < 9:
             pass
         after = serve(40)
         assert after.count(2) >= 36, after
         assert tuner.ranges[lo].relearns == 0 and tuner.retired is None
+        if free_cpus:
+            assert tuner.contention_freed >= 1 and tuner.contention_probes == 0
     finally:
         if neighbour is not None:
             neighbour.kill()

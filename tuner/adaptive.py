@@ -130,6 +130,11 @@ class TunerSettings:
     contention_probe_s: float = 0.25  # one forward at the learned count this often tells when
     contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
     contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
+    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it is over once
+    # other tasks leave the learned count's cores free to within ``contention_free_slack``
+    # of a core over a window of ``contention_free_window_s``
+    contention_free_window_s: float = 0.1
+    contention_free_slack: float = 0.5
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
     # ... which halves each this many seconds too: gaps shorter than it, always, would
     # otherwise keep every such shadow out for good (mode 1 under steady 35-ms gaps, after
@@ -208,7 +213,8 @@ class AdaptiveThreads:
                  shadow_forward: Forward | None = None,
                  on_close: Callable[[], None] | None = None,
                  worker: str | None = None,
-                 pause_shadows: Callable[[bool], bool] | None = None) -> None:
+                 pause_shadows: Callable[[bool], bool] | None = None,
+                 free_cpu_s: Callable[[], float | None] | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.scope, self.record, self.forward = scope, record, forward
         self.shadow_forward = shadow_forward or forward
@@ -216,6 +222,8 @@ class AdaptiveThreads:
         self.clock = clock
         self.on_close = on_close
         self.pause_shadows = pause_shadows  # freezes (True) and thaws; says if it is frozen
+        # cumulative CPU seconds other tasks left this worker (``FreeCpus``), or None
+        self.free_cpu_s = free_cpu_s
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.locked_reason: str | None = "golden check has not run"
         self.record_error: str | None = None
@@ -277,6 +285,9 @@ class AdaptiveThreads:
         self._slowdowns: dict[int, deque[tuple[float, float]]] = {}  # (when, slowdown)
         self._last_probe = -1e9
         self._fast_probes = 0  # contention probes in a row that ran as fast as when learned
+        self.contention_freed = 0  # ... contention ended: other tasks left the cores free
+        self._free_mark: tuple[float, float] | None = None  # a free-CPU window's start
+        self._free_ok = True  # ... the last reading worked
         self._shadow_s = 0.0
         self._started = clock()
         self._last_flush = clock()
@@ -511,22 +522,30 @@ class AdaptiveThreads:
         one CPU-bound process, 1 thread not at all), the fastest such count serves
         meanwhile, and one forward every ``contention_probe_s`` at L tells when that is over
         (a neighbour that comes and goes in seconds is followed within a second). Still so
-        after ``contention_relearn_s``: the range relearns under what the host is now.
-        Returns the count and why (None, "fallback" or "probe")."""
+        after ``contention_relearn_s``: the range relearns under what the host is now. Where
+        the free cores can be read, no probes: it is over once other tasks leave the learned
+        count's cores (``_freed``: one ``contention_free_window_s`` after a neighbour left,
+        where a probe ran L beside it, here 2.5x slower, every 0.25 s and two fast ones in a
+        row ended it). Returns the count and why (None, "fallback" or "probe")."""
         s, big = self.settings, r.learned
-
+        # once contended with free cores to read, only they end it: L runs no forward
+        # meanwhile, and its slow times would only age out
+        held = r.contended_since is not None and self.free_cpu_s is not None and \
+            self._free_ok
         slowed, at_big = self._slowdown(big), r.baselines.get((big, "shadow"))
         below = [(base * self._slowdown(n), n) for n in self.counts if n < big
                  and (base := r.baselines.get((n, "shadow"))) is not None
                  and self.voucher.covers_counts(n, self.configured)]
-        if at_big is None or not below or slowed < s.contention_slowdown or \
-                at_big * slowed <= min(below)[0] * (1 + s.contention_margin):
+        if at_big is None or not below or not held and (
+                slowed < s.contention_slowdown
+                or at_big * slowed <= min(below)[0] * (1 + s.contention_margin)):
             r.contended_since = None
             return big, None
         small = min(below)[1]
         now = self.clock()
         if r.contended_since is None:
             r.contended_since = now
+            self._free_mark = None  # a window of free cores starts with the fallback
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
                      2 * lo - 1, small, slowed)
         elif now - r.contended_since > s.contention_relearn_s:
@@ -536,10 +555,36 @@ class AdaptiveThreads:
                                             passed=r.passed)
             self._jobs.pop(lo, None)
             return self.configured, None
-        if now - self._last_probe >= s.contention_probe_s:
+        freed = self._freed(now, big)
+        if freed:  # the slow times at ``big`` were the neighbour's: forget them
+            self._slowdowns.pop(big, None)
+            r.contended_since = None
+            self.contention_freed += 1
+            log.info("threads_contention_over range=%d-%d serving=%d", lo, 2 * lo - 1, big)
+            return big, None
+        if freed is None and now - self._last_probe >= s.contention_probe_s:
             self._last_probe = now
             return big, "probe"
         return small, "fallback"
+
+    def _freed(self, now: float, big: int) -> bool | None:
+        """Contention is over: over the last ``contention_free_window_s`` (begun after the
+        fallback began), other tasks left this worker at least ``big`` cores, to within
+        ``contention_free_slack``. None where the free cores cannot be read (probes tell)."""
+        if self.free_cpu_s is None:
+            return None
+        mark, window = self._free_mark, self.settings.contention_free_window_s
+        if mark is not None and now - mark[0] < window:
+            return False
+        free_s = self.free_cpu_s()
+        self._free_ok = free_s is not None
+        self._free_mark = None if free_s is None else (now, free_s)
+        if free_s is None:
+            return None
+        if mark is None or now - mark[0] > 10 * window:  # none yet, or a stale one
+            return False
+        cores = (free_s - mark[1]) / (now - mark[0])
+        return cores >= big - self.settings.contention_free_slack
 
     def _note_slowdown(self, n: int, slowdown: float, probe: bool) -> None:
         """A served forward at ``n`` ran ``slowdown`` times its range's time when learned.

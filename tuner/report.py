@@ -51,6 +51,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "forwards_served_to_time_a_count": t.explored,
                            "forwards_served_below_learned_under_contention": t.contended,
                            "contention_probes": t.contention_probes,
+                           "contentions_ended_by_free_cores": t.contention_freed,
                            "slowdown_now": slowdown})
 
 

@@ -15,6 +15,8 @@ tuner's ``step``). A shadow that would run past the next arrival has that served
 start during it, as on a real host, so the tuner sees the overlap and does not keep the
 sample. A neighbour takes ``k`` cores over ``[start_s, end_s)``; a shadow at more threads than
 the cores left waits for them (the time its process would measure), so it is not a sample.
+The tuner reads the cores the neighbours leave free (``free_cpus``, as ``FreeCpus`` reads them
+from ``/proc``), or, without, probes.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class SimulatedHost:
     def __init__(self, model: TimeModel, neighbours: Sequence[Neighbour] = (),
                  fixed: int | None = None, mode: AdaptiveMode = AdaptiveMode.SERVE,
                  settings: TunerSettings | None = None, seed: int = 0,
-                 configured: int | None = None) -> None:
+                 configured: int | None = None, free_cpus: bool = True) -> None:
         self.model, self.neighbours, self.fixed = model, tuple(neighbours), fixed
         self.now_s = 0.0
         self._rng = np.random.default_rng(seed)
@@ -113,7 +115,8 @@ class SimulatedHost:
                                          Scope("sim", "sim", "sim"), None, self._never,
                                          settings, clock=lambda: self.now_s,
                                          shadow_forward=self._shadow,
-                                         pause_shadows=lambda frozen: frozen)
+                                         pause_shadows=lambda frozen: frozen,
+                                         free_cpu_s=self._free_s if free_cpus else None)
             self.tuner.locked_reason = None  # no golden check to run on a model
             big = 1 << 30  # a modelled host: every count and shape vouched for
             self.tuner.voucher = Voucher(1, 0, True, (Coverage(tuple(self.counts), big, 1, big,
@@ -122,6 +125,12 @@ class SimulatedHost:
     def free_cores(self, at_s: float) -> int:
         taken = sum(n.cores for n in self.neighbours if n.start_s <= at_s < n.end_s)
         return max(1, self.model.cores - taken)
+
+    def _free_s(self) -> float:
+        """CPU seconds the neighbours left the worker so far (``FreeCpus``)."""
+        t = self.now_s
+        return self.model.cores * t - sum(n.cores * (min(t, n.end_s) - n.start_s)
+                                          for n in self.neighbours if n.start_s < t)
 
     def _ms(self, padded_tokens: int, n: int, at_s: float) -> float:
         ms = self.model.forward_ms(padded_tokens, n, self.free_cores(at_s))

@@ -20,6 +20,7 @@ from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.types import ForwardRecord, Manifest
 from vllm_srun.server.worker.spec import WorkerSpec
 from vllm_srun.tuner.adaptive import AdaptiveThreads
+from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
 from vllm_srun.tuner.report import build, from_tuner
@@ -91,6 +92,7 @@ class Worker:
                                 runner.engine.forward_batch, spec.settings,
                                 shadow_forward=shadows.forward, on_close=shadows.close,
                                 pause_shadows=shadows.pause,
+                                free_cpu_s=FreeCpus(lambda: (shadows.process.pid,)),
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")
         tuner.record_error = tuner.record_error or error

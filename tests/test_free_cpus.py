@@ -1,0 +1,73 @@
+"""The free cores mode 2's contention following reads (``FreeCpus``, R4.5): a real CPU-bound
+process takes about one core off them; this process's own CPU time, and that of the
+processes it names (its shadow process), counts as free. Real /proc, real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until
+from vllm_srun.tuner.free_cpus import FreeCpus
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+
+SPIN = [sys.executable, "-c", "while True: pass"]
+
+
+def cores_free(free: FreeCpus, seconds: float = 0.5) -> float:
+    a, t = free(), time.monotonic()
+    time.sleep(seconds)
+    b, u = free(), time.monotonic()
+    return (b - a) / (u - t)
+
+
+def spinning(proc: subprocess.Popen) -> bool:
+    """Its CPU time grows (it has started its loop)."""
+    def ticks() -> int:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+        return int(fields[11]) + int(fields[12])
+    before = ticks()
+    time.sleep(0.05)
+    return ticks() > before
+
+
+def test_a_cpu_bound_neighbour_takes_about_one_core_off_the_free_cores():
+    free = FreeCpus()
+    cores = len(os.sched_getaffinity(0))
+    alone = cores_free(free)
+    hog = subprocess.Popen(SPIN)
+    try:
+        wait_until(lambda: spinning(hog), 10, "the neighbour to spin")
+        beside = cores_free(free)
+    finally:
+        hog.kill()
+        hog.wait(10)
+    assert alone <= cores + 0.1
+    assert alone - beside >= 0.6 and beside <= cores - 0.6, (alone, beside)
+
+
+def test_cpu_time_of_the_named_processes_counts_as_free():
+    """A spinning child named in ``pids`` (as a worker names its shadow process) leaves the
+    free cores as they were; the same child unnamed is a neighbour."""
+    child = subprocess.Popen(SPIN)
+    try:
+        wait_until(lambda: spinning(child), 10, "the child to spin")
+        named = cores_free(FreeCpus(lambda: (child.pid,)))
+        unnamed = cores_free(FreeCpus())
+    finally:
+        child.kill()
+        child.wait(10)
+    assert named - unnamed >= 0.6, (named, unnamed)
+
+
+def test_a_named_process_that_is_gone_counts_nothing():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)
+    free = FreeCpus(lambda: (child.pid,))
+    assert free() is not None
