@@ -20,6 +20,7 @@ neighbour): the wrk Lua script, the wrk runner, the server, the learning phase.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import re
 import subprocess
@@ -70,8 +71,17 @@ function done(summary, latency, requests)
     .. "non2xx=%d errors=%d\n", summary.requests, summary.duration, latency.mean,
     latency:percentile(50), latency:percentile(99), e.status,
     e.connect + e.read + e.write + e.timeout))
+  local tail = {}
+  for i = 0, TAIL_POINTS - 2 do
+    tail[#tail + 1] = string.format("%.0f", latency:percentile(TAIL_FROM + i * TAIL_STEP))
+  end
+  tail[#tail + 1] = string.format("%.0f", latency.max)  -- percentile(100) reads 0
+  io.write("TAIL " .. table.concat(tail, ",") .. "\n")
 end
 """
+# wrk's latency quantiles from TAIL_FROM% to 100% in TAIL_STEP% steps, per run: the runs of
+# one server pool into one tail (``pooled_percentile``)
+TAIL_FROM, TAIL_STEP, TAIL_POINTS = 90.0, 0.05, 201
 
 
 def lua(model: str, mix=MIX, think_ms: float | None = None) -> str:
@@ -83,7 +93,9 @@ def lua(model: str, mix=MIX, think_ms: float | None = None) -> str:
         cum += share / total
         classes.append(f"{{{cum:.6f}, {words}}}")
     classes[-1] = f"{{2, {mix[-1][2]}}}"  # the last class takes whatever rounding left
-    return (LUA.replace("CLASSES", "{" + ", ".join(classes) + "}", 1)
+    return (LUA.replace("TAIL_POINTS", str(TAIL_POINTS)).replace("TAIL_FROM", str(TAIL_FROM))
+            .replace("TAIL_STEP", str(TAIL_STEP))
+            .replace("CLASSES", "{" + ", ".join(classes) + "}", 1)
             .replace("THINK_MS", "nil" if think_ms is None else f"{think_ms:.3f}", 1)
             .replace("MODEL", model))
 
@@ -100,10 +112,44 @@ def wrk(url: str, script: str, connections: int, seconds: float) -> dict:
         return {"rps": float("nan"), "mean_ms": float("nan"), "p50_ms": float("nan"),
                 "p99_ms": float("nan"), "non_2xx": 0, "errors": 0, "requests": 0}
     r = {k: float(v) for k, v in re.findall(r"(\w+)=(\S+)", m[1])}
+    tail = re.search(r"^TAIL (.*)$", proc.stdout, re.M)
     return {"rps": r["requests"] / r["us"] * 1e6 if r["us"] else float("nan"),
             "mean_ms": r["mean_us"] / 1e3, "p50_ms": r["p50_us"] / 1e3,
             "p99_ms": r["p99_us"] / 1e3, "non_2xx": int(r["non2xx"]),
-            "errors": int(r["errors"]), "requests": int(r["requests"])}
+            "errors": int(r["errors"]), "requests": int(r["requests"]),
+            "tail_us": [float(v) for v in tail[1].split(",")] if tail else []}
+
+
+def pooled_percentile(runs: list[dict], pct: float = 99.0) -> float | None:
+    """The ``pct`` percentile (ms, ``pct`` >= ``TAIL_FROM``) of the runs' requests taken
+    together: each run's tail quantiles (``tail_us``), weighted by its request count, give
+    how many of its requests were slower than a latency (linear between quantiles). One
+    8-s run's p99 rests on its few slowest requests; rounds pooled rest on several times
+    more."""
+    tails = [(r["requests"], r["tail_us"]) for r in runs if r.get("tail_us") and r["requests"]]
+    if not tails:
+        return None
+    points = [TAIL_FROM + i * TAIL_STEP for i in range(TAIL_POINTS)]
+
+    def slower(v: float) -> float:
+        n_slower = 0.0
+        for n, t in tails:
+            k = bisect.bisect_right(t, v)
+            if k == 0:
+                below = points[0]  # at most: the run's tail starts above v
+            elif k == len(t):
+                below = 100.0
+            else:
+                lo, hi = t[k - 1], t[k]
+                below = points[k - 1] + (points[k] - points[k - 1]) * (
+                    (v - lo) / (hi - lo) if hi > lo else 1.0)
+            n_slower += n * (1 - below / 100)
+        return n_slower
+
+    allowed = sum(n for n, _ in tails) * (1 - pct / 100)
+    values = sorted({v for _, t in tails for v in t})
+    i = bisect.bisect_left(values, True, key=lambda v: slower(v) <= allowed)
+    return values[min(i, len(values) - 1)] / 1e3
 
 
 def verify(model: str, record: str, limits: list[str]) -> None:

@@ -171,6 +171,7 @@ class RangeLearning:
     relearning: bool = False
     relearns: int = 0
     since: float | None = None  # when this exploration took its first sample
+    born: float | None = None  # ... when it saw its first served forward
     last_at: dict[int, float] = field(default_factory=dict)  # count -> its latest sample
     keep_serving: int | None = None  # mode 2, relearning: the verified count served meanwhile
     served_at_learned: int = 0
@@ -286,8 +287,11 @@ class AdaptiveThreads:
         self._last_probe = -1e9
         self._fast_probes = 0  # contention probes in a row that ran as fast as when learned
         self.contention_freed = 0  # ... contention ended: other tasks left the cores free
-        self._free_mark: tuple[float, float] | None = None  # a free-CPU window's start
-        self._free_ok = True  # ... the last reading worked
+        self._free_mark: tuple[float, float] | None = None  # (when, free s): a window's start
+        # cores other tasks left this worker over the last whole window, and its start
+        self._free_rate: tuple[float, float] | None = None
+        self._free_ok = free_cpu_s is not None  # ... the last reading worked
+        self.samples_cores_busy = 0  # served samples not kept: other tasks held their cores
         self._shadow_s = 0.0
         self._started = clock()
         self._last_flush = clock()
@@ -453,7 +457,9 @@ class AdaptiveThreads:
                 if not r.explore_served:  # vouched: time each count on served forwards
                     r.explore_served = True
                     log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
-                n = self._explore_count(r, n, self._need(r))
+                now = self.clock()  # a count whose cores other tasks hold waits
+                n = self._explore_count(r, n, [k for k in self._need(r)
+                                               if not self._cores_busy(now, r, k)])
             if n != self.configured and not self.voucher.covers(
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
                 self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
@@ -530,8 +536,7 @@ class AdaptiveThreads:
         s, big = self.settings, r.learned
         # once contended with free cores to read, only they end it: L runs no forward
         # meanwhile, and its slow times would only age out
-        held = r.contended_since is not None and self.free_cpu_s is not None and \
-            self._free_ok
+        held = r.contended_since is not None and self._free_ok
         slowed, at_big = self._slowdown(big), r.baselines.get((big, "shadow"))
         below = [(base * self._slowdown(n), n) for n in self.counts if n < big
                  and (base := r.baselines.get((n, "shadow"))) is not None
@@ -545,7 +550,6 @@ class AdaptiveThreads:
         now = self.clock()
         if r.contended_since is None:
             r.contended_since = now
-            self._free_mark = None  # a window of free cores starts with the fallback
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
                      2 * lo - 1, small, slowed)
         elif now - r.contended_since > s.contention_relearn_s:
@@ -555,7 +559,7 @@ class AdaptiveThreads:
                                             passed=r.passed)
             self._jobs.pop(lo, None)
             return self.configured, None
-        freed = self._freed(now, big)
+        freed = self._freed(now, r)
         if freed:  # the slow times at ``big`` were the neighbour's: forget them
             self._slowdowns.pop(big, None)
             r.contended_since = None
@@ -567,24 +571,45 @@ class AdaptiveThreads:
             return big, "probe"
         return small, "fallback"
 
-    def _freed(self, now: float, big: int) -> bool | None:
-        """Contention is over: over the last ``contention_free_window_s`` (begun after the
-        fallback began), other tasks left this worker at least ``big`` cores, to within
+    def _freed(self, now: float, r: RangeLearning) -> bool | None:
+        """Contention is over: over a whole window begun after the fallback began, other
+        tasks left this worker at least the learned count's cores, to within
         ``contention_free_slack``. None where the free cores cannot be read (probes tell)."""
+        rate = self._free_cores(now)
+        if rate is None:
+            return None if not self._free_ok else False
+        cores, began = rate
+        return began >= r.contended_since and \
+            cores >= r.learned - self.settings.contention_free_slack
+
+    def _free_cores(self, now: float) -> tuple[float, float] | None:
+        """The cores other tasks left this worker over the last whole window of at least
+        ``contention_free_window_s`` (``free_cpu_s`` read once per window), and when that
+        window began; None where they cannot be read, or before a whole window."""
         if self.free_cpu_s is None:
+            self._free_ok = False
             return None
         mark, window = self._free_mark, self.settings.contention_free_window_s
         if mark is not None and now - mark[0] < window:
-            return False
+            return self._free_rate
         free_s = self.free_cpu_s()
         self._free_ok = free_s is not None
         self._free_mark = None if free_s is None else (now, free_s)
-        if free_s is None:
-            return None
-        if mark is None or now - mark[0] > 10 * window:  # none yet, or a stale one
+        self._free_rate = None if free_s is None or mark is None or \
+            now - mark[0] > 10 * window else ((free_s - mark[1]) / (now - mark[0]), mark[0])
+        return self._free_rate
+
+    def _cores_busy(self, now: float, r: RangeLearning, n: int) -> bool:
+        """A served forward at ``n`` of a range exploring is no sample: other tasks held the
+        cores it needs (``n`` beyond the free cores by more than ``contention_free_slack``:
+        what ends contention). Not after the range has explored ``contention_relearn_s``:
+        such a neighbour is the host now, and the range learns under it. Beside one that
+        took a core 2 s of every 4, a range learned from 12 samples per count inside one of
+        its phases (mode 2 then served 1 thread where 2 were 1.2-1.4x faster)."""
+        rate = self._free_cores(now)
+        if rate is None or rate[0] >= n - self.settings.contention_free_slack:
             return False
-        cores = (free_s - mark[1]) / (now - mark[0])
-        return cores >= big - self.settings.contention_free_slack
+        return r.born is None or now - r.born < self.settings.contention_relearn_s
 
     def _note_slowdown(self, n: int, slowdown: float, probe: bool) -> None:
         """A served forward at ``n`` ran ``slowdown`` times its range's time when learned.
@@ -662,12 +687,19 @@ class AdaptiveThreads:
                                 s.relearn_window)
                 r = self.ranges[lo]
             elif timed[4] and (timed[0] or (timed[1] and timed[2] == self._shadow_epoch)):
-                self.served_samples += 1  # shadows frozen, or none ran beside it: clean
-                self._sample(lo, r, result.num_threads, result.forward_s * 1000,
-                             batch.padded_tokens)
-                r = self.ranges[lo]
-                if r.learned is not None:
-                    self._maybe_serve(lo, r)
+                # shadows frozen, or none ran beside it: clean, unless other tasks held
+                # the cores it needed
+                if r.born is None:
+                    r.born = now
+                if self._cores_busy(now, r, result.num_threads):
+                    self.samples_cores_busy += 1
+                else:
+                    self.served_samples += 1
+                    self._sample(lo, r, result.num_threads, result.forward_s * 1000,
+                                 batch.padded_tokens)
+                    r = self.ranges[lo]
+                    if r.learned is not None:
+                        self._maybe_serve(lo, r)
             need = self._need(r) if r.learned is None else []
             if r.learned is None and not need:  # its span passed with no sample since
                 self._update(lo, r)

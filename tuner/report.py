@@ -48,6 +48,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "shadow_batches_replaced_unrun": t.replaced,
                            "served_forwards_that_froze_a_shadow": t.frozen_beside,
                            "served_forwards_timed": t.served_samples,
+                           "served_forwards_not_timed_cores_busy": t.samples_cores_busy,
                            "forwards_served_to_time_a_count": t.explored,
                            "forwards_served_below_learned_under_contention": t.contended,
                            "contention_probes": t.contention_probes,
