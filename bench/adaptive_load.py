@@ -2,7 +2,8 @@
 one run, with the targets of the adaptive-threads work judged side by side at the end.
 
     python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--learn-seconds 60]
-                                  [--max-num-batched-tokens 512] [--only levels oracle neighbour]
+                                  [--max-num-batched-tokens 512]
+                                  [--only levels oracle neighbour phases]
                                   [--quick] [--voucher PATH]
                                   [--out bench/results/adaptive_load.json]
 
@@ -41,6 +42,10 @@ Sections (``--only``):
 - ``neighbour``: a CPU hog of one core (``sha256sum /dev/zero``) stopped and continued every
   2 s (on half the time) while fixed 1, fixed 2 and mode 2 (a fresh record, learning with the
   neighbour present) are measured at 16 and at 1 connection.
+- ``phases``: fixed 1 and fixed 2 with that neighbour stopped, then running throughout, at
+  16 and 1 connection. The per-phase oracle (the better fixed count in each phase, half the
+  time each, in req/s) says what following the toggling neighbour could gain over fixed 2
+  and, beside the ``neighbour`` section in the same run, how much of it mode 2 got.
 
 Read the tables as one run on a shared machine: req/s counts every completed response,
 non-2xx ones (429 overload, 504 deadline) included and also shown apart; p50/p99/mean are
@@ -57,6 +62,7 @@ large factors between minutes, so repeat before drawing conclusions. Results go 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -84,7 +90,7 @@ from bench.adaptive_wrk import (
     wrk,
 )
 
-SECTIONS = ("levels", "oracle", "neighbour")
+SECTIONS = ("levels", "oracle", "neighbour", "phases")
 POISSON = (0.3, 0.6, 0.9)
 POISSON_CONNS = 64
 # name, extra flags, learning mode
@@ -93,14 +99,15 @@ SERVERS = (("fixed 1", [], None), ("fixed 2", ["--threads", "2"], None),
 
 
 @contextmanager
-def neighbour(period_s: float = 2.0):
-    """One core's worth of CPU hog, on and off every ``period_s`` (on half the time)."""
+def neighbour(period_s: float | None = 2.0):
+    """One core's worth of CPU hog, on and off every ``period_s`` (on half the time), or on
+    throughout (None)."""
     hog = subprocess.Popen(["sha256sum", "/dev/zero"], stdout=subprocess.DEVNULL)
     stop = threading.Event()
 
     def toggle() -> None:
         on = True
-        while not stop.wait(period_s):
+        while period_s is not None and not stop.wait(period_s):
             on = not on
             hog.send_signal(signal.SIGCONT if on else signal.SIGSTOP)
 
@@ -155,7 +162,7 @@ def main() -> None:
         args.seconds, args.learn_seconds, args.rounds = 2, 6, 1
     if not shutil.which("wrk"):
         sys.exit("wrk (the C HTTP load generator) is not installed: apt-get install wrk")
-    if "neighbour" in args.only and not shutil.which("sha256sum"):
+    if {"neighbour", "phases"} & set(args.only) and not shutil.which("sha256sum"):
         sys.exit("sha256sum (coreutils) is needed for the neighbour section")
     limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
               str(args.max_num_batched_tokens)]
@@ -218,9 +225,10 @@ def main() -> None:
 
     out = {"meta": {**vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-           "capacity_rps": None, "levels": {}, "oracle": {}, "neighbour": {}, "threads": {},
-           "rounds": {}, "failures": {}}
+           "capacity_rps": None, "levels": {}, "oracle": {}, "neighbour": {}, "phases": {},
+           "phase_oracle": {}, "threads": {}, "rounds": {}, "failures": {}}
     levels, nb, failures = out["levels"], out["neighbour"], out["failures"]
+    phases = out["phases"]
     class_ms: dict[str, dict[str, float]] = {}
     mix_ms: dict[str, float] = {}
 
@@ -315,6 +323,19 @@ def main() -> None:
             finally:
                 down(servers, " + neighbour")
 
+    if "phases" in args.only:
+        print("== neighbour phases: fixed counts with the neighbour off, and on throughout",
+              flush=True)
+        servers = up(SERVERS[:2])
+        try:
+            for state in ("off", "on"):
+                with neighbour(None) if state == "on" else contextlib.nullcontext():
+                    for c in (16, 1):
+                        interleaved(servers, f"closed {c}", mixed, c,
+                                    phases.setdefault(state, {}), section=f" + {state}")
+        finally:
+            down(servers)
+
     # ---- tables
     print()
     if levels:
@@ -350,6 +371,26 @@ def main() -> None:
 
     def rps(table: dict, server: str, level: str) -> float | None:
         return table.get(server, {}).get(level, {}).get("rps")
+
+    if phases:
+        print("### Neighbour phases: what following it could gain (req/s; the per-phase oracle "
+              "is the better fixed count in each phase, half the time each)\n")
+        rows = []
+        for c in (16, 1):
+            lvl = f"closed {c}"
+            best = {st: max(phases[st][s][lvl]["rps"] for s in phases[st]) for st in phases}
+            oracle_rps = sum(best.values()) / len(best)
+            toggled = rps(nb, "fixed 2", lvl)
+            out["phase_oracle"][lvl] = {"rps": oracle_rps, "over_fixed_2_toggling":
+                                        ratio(oracle_rps, toggled)}
+            rows.append([lvl, *(phases[st][s][lvl]["rps"] for st in ("off", "on")
+                                for s in ("fixed 1", "fixed 2")),
+                         oracle_rps, toggled, ratio(oracle_rps, toggled),
+                         ratio(rps(nb, "mode 2", lvl), oracle_rps)])
+        print(md(["level", "off: fixed 1", "off: fixed 2", "on: fixed 1", "on: fixed 2",
+                  "per-phase oracle", "fixed 2, toggling", "oracle / fixed 2 toggling",
+                  "mode 2 toggling / oracle"], rows))
+        print()
 
     def best_fixed(table: dict, level: str) -> float | None:
         vals = [v for s in ("fixed 1", "fixed 2") if (v := rps(table, s, level)) is not None]
