@@ -236,7 +236,7 @@ def _fast_settings():
     from vllm_srun.tuner.adaptive import TunerSettings
 
     return TunerSettings(min_samples=3, window=3, audit_every=2, budget_fraction=1.0,
-                         flush_s=0.0, min_span_s=0.0)
+                         flush_s=0.0)
 
 
 FAST = _fast_settings()

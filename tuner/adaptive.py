@@ -40,9 +40,7 @@ Every shadow, timed or not, is compared bit for bit with the served answer. Equa
 comparison (and mode 2's transition window moves on). Any difference is drift: learning
 retires for good for this scope (stored durably) and every range serves the configured count.
 
-A count is learned once every allowed count has ``min_samples`` clean samples (and, where
-``min_span_s`` is set, the first of them is that old, each count's samples spaced over that
-time; mode 2 serves the vouched count that looks fastest so far between them); it then stays
+A count is learned once every allowed count has ``min_samples`` clean samples; it then stays
 until relearning (R4.11): forwards at each count are compared with forwards at that same
 count when the range was learned (every ``audit_every``-th served forward gets a probe shadow
 at another count, in turn, compared with the samples it was learned from; served forwards
@@ -111,16 +109,6 @@ class TunerSettings:
     probe_window: int = 4  # probe shadows at one count each relearning check rests on
     flush_s: float = 2.0  # how often learnings are written to the record
     max_samples: int = 48  # recent samples per count per range that decisions rest on
-    # ... and, where set, a range learns only once its first sample is this old, each count's
-    # samples at least ``min_span_s / min_samples`` apart (between them mode 2 serves the
-    # count that looks fastest so far), so a host-wide condition of a few seconds would not
-    # decide alone (beside a neighbour on a core 2 s of every 4, 12 samples per count at one
-    # connection fell in one of its phases and mode 2 learned 1 thread where 2 were 1.2-1.4x
-    # faster; the simulator shows it). Off by default: at 5 s, mode 1 on 2 cores timed 2
-    # threads once per range in a whole bench pass (every core-sharing shadow in the pauses
-    # held up by other tasks, the backoff at its longest), against 12-21 times with it off;
-    # why its shadows were held up only with it on is not found yet
-    min_span_s: float = 0.0
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
     # mode 2 under contention: a learned count that now runs slower than a count below it
@@ -170,9 +158,7 @@ class RangeLearning:
     serving: bool = False
     relearning: bool = False
     relearns: int = 0
-    since: float | None = None  # when this exploration took its first sample
-    born: float | None = None  # ... when it saw its first served forward
-    last_at: dict[int, float] = field(default_factory=dict)  # count -> its latest sample
+    born: float | None = None  # when this exploration saw its first served sample
     keep_serving: int | None = None  # mode 2, relearning: the verified count served meanwhile
     served_at_learned: int = 0
     # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
@@ -480,7 +466,7 @@ class AdaptiveThreads:
             # and no shadow starts until this forward ends
             sharing = self._shadowing and self._shadow_gated and \
                 self._shadow_threads + n > max(self.counts)
-            sampling = r is None or (exploring and self._due(r, n))  # it is a sample
+            sampling = r is None or exploring  # it is a sample
             want = self.pause_shadows is not None and self._shadowing and (
                 sampling or sharing)
             if self._held:  # still frozen since the last forward: no signal either way
@@ -625,8 +611,9 @@ class AdaptiveThreads:
 
     def _explore_count(self, r: RangeLearning, serving: int, need: list[int]) -> int:
         """The count with the fewest samples among those a range needs now (ties: the one
-        nearest the count it serves); when none is due, the vouched count fastest so far
-        (``serving`` before any has a few samples)."""
+        nearest the count it serves); when it may time none now (other tasks hold their
+        cores), the vouched count fastest so far (``serving`` before any has a few
+        samples)."""
         if not need:
             known = [n for n in self.counts if len(r.samples.get(n, ())) >= 3
                      and self.voucher.covers_counts(n, self.configured)]
@@ -701,9 +688,6 @@ class AdaptiveThreads:
                     if r.learned is not None:
                         self._maybe_serve(lo, r)
             need = self._need(r) if r.learned is None else []
-            if r.learned is None and not need:  # its span passed with no sample since
-                self._update(lo, r)
-                r = self.ranges[lo]
             if r.learned is not None:
                 r.served_at_learned += 1
             window_due = (self.mode is AdaptiveMode.SERVE and not r.serving
@@ -896,31 +880,12 @@ class AdaptiveThreads:
             self._dirty_learned.add(lo)
         self._maybe_serve(lo, r)
 
-    def _target(self, r: RangeLearning) -> int:
-        """Samples each count of an exploring range needs: ``min_samples`` once its first
-        is ``min_span_s`` old; until then every count goes on being sampled (the decision
-        rests on the latest ``max_samples``)."""
-        s = self.settings
-        if r.since is not None and self.clock() - r.since >= s.min_span_s:
-            return s.min_samples
-        return 1 << 30
-
     def _need(self, r: RangeLearning) -> list[int]:
-        """Counts an exploring range takes a sample of now (``_target``; each count's
-        samples ``min_span_s / min_samples`` apart)."""
-        return [n for n in counts_needing_samples(r.samples, self.counts, self._target(r))
-                if self._due(r, n)]
-
-    def _due(self, r: RangeLearning, n: int) -> bool:
-        """Whether a forward at ``n`` may be a sample of an exploring range now."""
-        s, at = self.settings, r.last_at.get(n)
-        return at is None or self.clock() - at >= s.min_span_s / max(1, s.min_samples)
+        """Counts an exploring range still lacks ``min_samples`` of."""
+        return counts_needing_samples(r.samples, self.counts, self.settings.min_samples)
 
     def _sample(self, lo: int, r: RangeLearning, count: int, ms: float, tokens: int) -> None:
         keep = self.settings.max_samples
-        r.last_at[count] = self.clock()
-        if r.since is None:
-            r.since = r.last_at[count]
         for store, value in ((r.samples, ms), (r.per_token, ms / tokens)):
             kept = store.setdefault(count, [])
             kept.append(value)
@@ -933,7 +898,7 @@ class AdaptiveThreads:
 
     def _update(self, lo: int, r: RangeLearning) -> None:
         s = self.settings
-        new = learned_count(r.samples, self.counts, self.configured, self._target(r), s.margin)
+        new = learned_count(r.samples, self.counts, self.configured, s.min_samples, s.margin)
         if new is None:
             return
         r.learned, r.serving, r.relearning = new, False, False
