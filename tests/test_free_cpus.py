@@ -1,6 +1,7 @@
 """The free cores mode 2's contention following reads (``FreeCpus``, R4.5): a real CPU-bound
-process takes about one core off them; this process's own CPU time, and that of the
-processes it names (its shadow process), counts as free. Real /proc, real processes."""
+process takes about one core off them; this process's own CPU time, that of the processes it
+names (its shadow process), and that of processes that yield to it (idle class, nice 15 and
+up) counts as free. Real /proc, real processes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from vllm_srun.tuner.free_cpus import FreeCpus
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 
 SPIN = [sys.executable, "-c", "while True: pass"]
+YIELDING = {  # a spinning process that yields to a normal one
+    "idle class": "import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))",
+    "nice 19": "import os; os.nice(19)",
+}
 
 
 def cores_free(free: FreeCpus, seconds: float = 0.5) -> float:
@@ -44,10 +49,12 @@ def test_a_cpu_bound_neighbour_takes_about_one_core_off_the_free_cores():
     hog = subprocess.Popen(SPIN)
     try:
         wait_until(lambda: spinning(hog), 10, "the neighbour to spin")
+        free.scan()  # it does not yield: still a neighbour
         beside = cores_free(free)
     finally:
         hog.kill()
         hog.wait(10)
+        free.close()
     assert alone <= cores + 0.1
     assert alone - beside >= 0.6 and beside <= cores - 0.6, (alone, beside)
 
@@ -58,16 +65,36 @@ def test_cpu_time_of_the_named_processes_counts_as_free():
     child = subprocess.Popen(SPIN)
     try:
         wait_until(lambda: spinning(child), 10, "the child to spin")
-        named = cores_free(FreeCpus(lambda: (child.pid,)))
-        unnamed = cores_free(FreeCpus())
+        named, unnamed = FreeCpus(lambda: (child.pid,)), FreeCpus()
+        named.close()
+        unnamed.close()
+        named, unnamed = cores_free(named), cores_free(unnamed)
     finally:
         child.kill()
         child.wait(10)
     assert named - unnamed >= 0.6, (named, unnamed)
 
 
+@pytest.mark.parametrize("how", list(YIELDING))
+def test_a_process_that_yields_to_the_worker_counts_as_free(how):
+    """Another server's idle-class shadows running on idle time looked like a neighbour to
+    mode 2; a spinning process that yields (found by the scan) leaves the free cores whole."""
+    cores = len(os.sched_getaffinity(0))
+    child = subprocess.Popen([sys.executable, "-c", YIELDING[how] + "\nwhile True: pass"])
+    try:
+        wait_until(lambda: spinning(child), 10, "the child to spin")
+        free = FreeCpus()  # scans once at once, then every scan_s
+        free.close()
+        beside = cores_free(free)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert beside >= cores - 0.3, beside
+
+
 def test_a_named_process_that_is_gone_counts_nothing():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(10)
     free = FreeCpus(lambda: (child.pid,))
+    free.close()
     assert free() is not None

@@ -114,11 +114,17 @@ def shadowed_runner(manifest, backend, mode: AdaptiveMode, scope: Scope, record:
     cores read from /proc (``free_cpus``; without, contention is probed)."""
     shadows = ShadowProcess(manifest, "onnxruntime")
     runner = Runner(manifest, backend, args, on_forward=on_forward)
+    free = FreeCpus(lambda: (shadows.process.pid,)) if free_cpus else None
+
+    def close() -> None:
+        if free is not None:
+            free.close()
+        shadows.close()
+
     tuner = AdaptiveThreads(mode, 1, (1, 2), scope, record, runner.engine.forward_batch,
-                            settings, shadow_forward=shadows.forward, on_close=shadows.close,
+                            settings, shadow_forward=shadows.forward, on_close=close,
                             pause_shadows=pause(shadows) if pause else shadows.pause,
-                            free_cpu_s=FreeCpus(lambda: (shadows.process.pid,))
-                            if free_cpus else None)
+                            free_cpu_s=free)
     runner.engine.threads = tuner
     runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
     return runner, tuner, shadows

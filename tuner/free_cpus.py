@@ -2,36 +2,53 @@
 following, R4.5: the learned count takes its cores back once a neighbour has left them).
 
 ``FreeCpus()`` returns cumulative seconds: the idle (and iowait) time of the CPUs in this
-process's affinity mask, plus the CPU time of this process and of the processes ``pids``
-names (the idle-class shadow process, which runs only on time nobody else wants). Over a
-window, their growth over the wall time is the cores the worker could have had; a CPU-bound
-neighbour takes one off it whatever count the worker serves and however busy it is. Measured
-here (2 cores, 0.1-s windows, one core of ``sha256sum`` stopped and continued every 2 s, wrk
-at 1 and 16 connections): other tasks held 0.9-1.1 cores with the neighbour on while the
-worker served 1 thread, -0.1-0.1 with it stopped, whatever the load. Idle time alone does not
-say it: a 2-thread onnxruntime worker spins its pool and leaves no idle time either way.
+process's affinity mask, plus the CPU time of this process, of the processes ``pids`` names
+(its own shadow process), and of every process that yields to it (idle scheduling class, or
+nice 15 and above: the kernel gives such a task a few percent of a core beside a normal one).
+Over a window, their growth over the wall time is the cores the worker could have had; a
+CPU-bound neighbour at normal priority takes one off it whatever count the worker serves and
+however busy it is. Measured here (2 cores, 0.1-s windows, one core of ``sha256sum`` stopped
+and continued every 2 s, wrk at 1 and 16 connections): other tasks held 0.9-1.1 cores with
+the neighbour on while the worker served 1 thread, -0.1-0.1 with it stopped, whatever the
+load. Idle time alone does not say it: a 2-thread onnxruntime worker spins its pool and
+leaves no idle time either way. Yielding processes count as free because, where one runs on
+idle time (another server's idle-class shadows, learning), it looked like a neighbour: a
+mode 2 server beside a learning mode 1 server followed contention that was not there.
 
-Not seen: a cgroup quota below the mask (its throttled time reads as free) and CPU time of
-this process spent outside the mask. Where ``/proc`` cannot be read it returns None and the
-tuner probes the learned count instead.
+Yielding processes are found by a scan of ``/proc`` on a thread of its own every ``scan_s``
+(about 15 us a process; never on the served path); one started since is a neighbour until
+the next scan. Not seen: a cgroup quota below the mask (its throttled time reads as free),
+CPU time of these processes spent outside the mask, and yielding threads of processes that
+are not. Where ``/proc`` cannot be read it returns None and the tuner probes the learned
+count instead.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Collection, Iterable
 
-CPU_TIME_FIELDS = slice(11, 13)  # utime, stime in /proc/<pid>/stat after the ")" of comm
+# fields of /proc/<pid>/stat after the ")" that ends the command name
+CPU_TIME_FIELDS = slice(11, 13)  # utime, stime
+NICE_FIELD, POLICY_FIELD = 16, 38
+SCHED_IDLE = 5
+YIELDING_NICE = 15
 
 
 class FreeCpus:
     def __init__(self, pids: Callable[[], Iterable[int]] = tuple,
-                 cpus: Collection[int] | None = None) -> None:
+                 cpus: Collection[int] | None = None, scan_s: float = 5.0) -> None:
         if cpus is None:
             cpus = os.sched_getaffinity(0)
         self._names = {f"cpu{i}".encode() for i in cpus}
         self._tick = os.sysconf("SC_CLK_TCK")
         self._pids = pids
+        self._yielding: tuple[int, ...] = ()
+        self._stop = threading.Event()
+        self.scan()
+        threading.Thread(target=self._rescan, args=(scan_s,), name="free-cpus-scan",
+                         daemon=True).start()
 
     def __call__(self) -> float | None:
         """Free CPU seconds so far (see the module docstring); None if unreadable."""
@@ -47,11 +64,37 @@ class FreeCpus:
             parts = line.split()
             if parts[0] in self._names:
                 ticks += int(parts[4]) + int(parts[5])  # idle, iowait
-        for pid in (os.getpid(), *self._pids()):
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    fields = f.read().rpartition(b")")[2].split()
-            except OSError:
-                continue  # a shadow process that is gone: it runs nothing
-            ticks += sum(int(x) for x in fields[CPU_TIME_FIELDS])
+        for pid in {os.getpid(), *self._pids(), *self._yielding}:
+            fields = _stat(pid)
+            if fields is not None:  # else gone: it runs nothing
+                ticks += sum(int(x) for x in fields[CPU_TIME_FIELDS])
         return ticks / self._tick
+
+    def scan(self) -> None:
+        """Find the processes that yield to a normal one (idle class, nice 15 and up)."""
+        found = []
+        try:
+            entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+        except OSError:
+            return
+        for name in entries:
+            fields = _stat(int(name))
+            if fields is not None and (int(fields[POLICY_FIELD]) == SCHED_IDLE
+                                       or int(fields[NICE_FIELD]) >= YIELDING_NICE):
+                found.append(int(name))
+        self._yielding = tuple(found)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _rescan(self, scan_s: float) -> None:
+        while not self._stop.wait(scan_s):
+            self.scan()
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None

@@ -88,11 +88,16 @@ class Worker:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
         shadows = ShadowProcess(manifest, backend.name.value)
+        free = FreeCpus(lambda: (shadows.process.pid,))
+
+        def close() -> None:
+            free.close()
+            shadows.close()
+
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
                                 runner.engine.forward_batch, spec.settings,
-                                shadow_forward=shadows.forward, on_close=shadows.close,
-                                pause_shadows=shadows.pause,
-                                free_cpu_s=FreeCpus(lambda: (shadows.process.pid,)),
+                                shadow_forward=shadows.forward, on_close=close,
+                                pause_shadows=shadows.pause, free_cpu_s=free,
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")
         tuner.record_error = tuner.record_error or error
