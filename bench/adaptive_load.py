@@ -66,6 +66,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -133,6 +134,12 @@ def clean(x):
     if isinstance(x, list | tuple):
         return [clean(v) for v in x]
     return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def compact(text: str) -> str:
+    """JSON with every list of numbers on one line (each run's tail quantiles: 201 of them)."""
+    return re.sub(r"\[\s*([-+\d.eE]+(?:,\s*[-+\d.eE]+)*)\s*\]",
+                  lambda m: "[" + ", ".join(m[1].replace(",", " ").split()) + "]", text)
 
 
 def md(head: list[str], rows: list[list]) -> str:
@@ -477,7 +484,7 @@ def main() -> None:
         print(f"FAILED: {label}: {why}")
     out["meta"]["loadavg_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(clean(out), indent=1) + "\n")
+    Path(args.out).write_text(compact(json.dumps(clean(out), indent=1)) + "\n")
     print(f"\nwrote {args.out}")
 
 
