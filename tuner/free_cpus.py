@@ -39,8 +39,8 @@ YIELDING_NICE = 15
 class FreeCpus:
     def __init__(self, pids: Callable[[], Iterable[int]] = tuple,
                  cpus: Collection[int] | None = None, scan_s: float = 5.0) -> None:
-        if cpus is None:
-            cpus = os.sched_getaffinity(0)
+        if cpus is None:  # (no affinity call off Linux, where /proc is missing too: None)
+            cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
         self._names = {f"cpu{i}".encode() for i in cpus}
         self._tick = os.sysconf("SC_CLK_TCK")
         self._pids = pids
