@@ -265,3 +265,18 @@ def test_where_the_free_cores_cannot_be_read_contention_is_probed():
     t = host.tuner
     assert t.contended > 0 and t.contention_probes > 0 and t.contention_freed == 0
     assert all(r.learned == 2 and r.serving for r in t.ranges.values())
+
+
+def test_a_slowdown_with_the_cores_free_is_not_contention():
+    """R4.5: contention (a count below the learned one served meanwhile) starts only where
+    another task holds the learned count's cores. Here every forward at 2 threads slows as
+    a neighbour's would make it (the load itself, a throttled host), but the free cores read
+    say no task holds them: mode 2 serves on at 2 threads. With the free cores read as they
+    are, it follows the neighbour (the test above)."""
+    neighbours = [Neighbour(1, t, t + 2) for t in range(60, 200, 4)]
+    host = SimulatedHost(TimeModel(2), neighbours, seed=1)
+    host.tuner.free_cpu_s = lambda: 2 * host.now_s  # both cores free, whatever runs
+    outcome = host.run(poisson_trace(15, 200, [64, 256], seed=1))
+    t = host.tuner
+    assert t.slow_cores_free > 0 and t.contended == 0 and outcome.relearns == 0
+    assert all(r.learned == 2 and r.serving for r in t.ranges.values())

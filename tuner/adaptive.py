@@ -123,6 +123,8 @@ class TunerSettings:
     # of a core over a window of ``contention_free_window_s``
     contention_free_window_s: float = 0.1
     contention_free_slack: float = 0.5
+    # ... and it starts only once other tasks hold at least this much of those cores
+    contention_held_min: float = 0.25
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
     # ... which halves each this many seconds too: gaps shorter than it, always, would
     # otherwise keep every such shadow out for good (mode 1 under steady 35-ms gaps, after
@@ -273,6 +275,8 @@ class AdaptiveThreads:
         self._last_probe = -1e9
         self._fast_probes = 0  # contention probes in a row that ran as fast as when learned
         self.contention_freed = 0  # ... contention ended: other tasks left the cores free
+        self.slow_cores_free = 0  # ... forwards at it ran slow but its cores were free: not
+        # contention (the load itself), so it served on
         self._free_mark: tuple[float, float] | None = None  # (when, free s): a window's start
         # cores other tasks left this worker over the last whole window, and its start
         self._free_rate: tuple[float, float] | None = None
@@ -519,7 +523,9 @@ class AdaptiveThreads:
         count's cores (``_freed``: one ``contention_free_window_s`` after a neighbour left,
         where a probe ran L beside it, here 2.5x slower, every 0.25 s and two fast ones in a
         row ended it). Returns the count and why (None, "fallback" or "probe")."""
-        s, big = self.settings, r.learned
+        s, big, now = self.settings, r.learned, self.clock()
+        if self.free_cpu_s is not None:  # read on: a whole window is there when it slows
+            self._free_cores(now)
         # once contended with free cores to read, only they end it: L runs no forward
         # meanwhile, and its slow times would only age out
         held = r.contended_since is not None and self._free_ok
@@ -533,7 +539,10 @@ class AdaptiveThreads:
             r.contended_since = None
             return big, None
         small = min(below)[1]
-        now = self.clock()
+        if r.contended_since is None and self.free_cpu_s is not None and \
+                self._cores_free(now, big):
+            self.slow_cores_free += 1  # slow, but no other task holds its cores: the load
+            return big, None
         if r.contended_since is None:
             r.contended_since = now
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
@@ -556,6 +565,23 @@ class AdaptiveThreads:
             self._last_probe = now
             return big, "probe"
         return small, "fallback"
+
+    def _cores_free(self, now: float, n: int) -> bool:
+        """Other tasks held less than ``contention_held_min`` of the cores ``n`` threads
+        need over the last whole window: contention does not start. Served at 2 threads
+        on this 2-core host, 16 and 1 connections, wrk on the same cores: 1.89-2.0 cores
+        free (10th-90th percentile of 0.1-s windows) with no neighbour, 1.0-1.5 beside one
+        CPU-bound process (the server process counts as the worker's own). With this bar
+        (a quarter of a core), contention began 4-17 forwards after such a neighbour came,
+        one client; with half a core, 6-46; with no bar, 5-22. Slow
+        forwards alone started it with none there (the load itself: mode 2 served 97
+        forwards below its learned count at 16 connections, 0.94x fixed 2). False where
+        the free cores cannot be read, or no recent whole window says (forwards over a
+        second apart): the slowdowns decide alone."""
+        rate = self._free_cores(now)
+        if not self._free_ok:
+            return False
+        return rate is not None and rate[0] > n - self.settings.contention_held_min
 
     def _freed(self, now: float, r: RangeLearning) -> bool | None:
         """Contention is over: over a whole window begun after the fallback began, other

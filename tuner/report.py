@@ -53,6 +53,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "forwards_served_below_learned_under_contention": t.contended,
                            "contention_probes": t.contention_probes,
                            "contentions_ended_by_free_cores": t.contention_freed,
+                           "forwards_slow_with_cores_free": t.slow_cores_free,
                            "slowdown_now": slowdown})
 
 
