@@ -10,13 +10,16 @@ one run, with the targets of the adaptive-threads work judged side by side at th
 Servers (``vllm-srun serve``, all with ``--max-num-seqs 32`` and the same
 ``--max-num-batched-tokens``): fixed 1 thread (the default on this 2-core host: learning
 off), fixed 2 threads, mode 1 and mode 2 (``VLLM_SRUN_CPU_ADAPTIVE_THREADS``; counts 1 and 2
-on this host). Each adaptive server gets a fresh host record with nothing learned in it (mode
-2's is a copy of one record that ``threads verify`` vouched for over exactly those batch
-limits: the sweep takes minutes and writes only the voucher, so it runs once), first learns
-from bursts of traffic at 1 and at 16 connections with 1 s pauses (``--learn-seconds`` in
-all), then is measured; what it learned (``GET /v1/threads``) is printed after its run.
-Bodies are unique (the result cache never answers) and mixed: 70% short (~6 words), 25%
-passages (~40), 5% long (~150).
+on this host), and in ``levels`` a second fixed 1 (``fixed 1 again``: the null check, whose
+p99 over fixed 1's is the noise of this run's p99 ratios). Each adaptive server gets a fresh
+host record with nothing learned in it (mode 2's is a copy of one record that ``threads
+verify`` vouched for over exactly those batch limits: the sweep takes minutes and writes
+only the voucher, so it runs once), first learns from bursts of traffic at 1 and at 16
+connections with 1 s pauses (``--learn-seconds`` in all), then is measured; what it learned
+(``GET /v1/threads``) is printed after its run. Bodies are unique (the result cache never
+answers) and mixed: 70% short (~6 words), 25% passages (~40), 5% long (~150). Every server
+of a round gets the same requests at the same pace (one wrk seed per round and level: common
+random numbers).
 
 Servers of a section are all up at once (the adaptive ones learn one after another while the
 others idle) and every level is measured in ``--rounds`` interleaved rounds, each server once
@@ -76,6 +79,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -97,6 +101,10 @@ POISSON_CONNS = 64
 # name, extra flags, learning mode
 SERVERS = (("fixed 1", [], None), ("fixed 2", ["--threads", "2"], None),
            ("mode 1", [], "1"), ("mode 2", [], "2"))
+# the levels' null check: a second server just like fixed 1, whose p99 over fixed 1's is the
+# noise a p99 ratio of this run carries (two such servers differed by up to 21%, pooled over
+# four 10-s rounds at 60% of capacity, with the same requests at the same pace)
+AGAIN = ("fixed 1 again", [], None)
 
 
 @contextmanager
@@ -219,16 +227,31 @@ def main() -> None:
             raise
         return server
 
-    def measure(name: str, level: str, url: str, path: str, conns: int,
-                target: float | None = None) -> dict:
-        r = wrk(url, path, conns, args.seconds)
+    def measure(name: str, level: str, server: Server, path: str, conns: int,
+                target: float | None = None, seed: int | None = None) -> dict:
+        before = learning(server) if name.startswith("mode") else None
+        r = wrk(server.url, path, conns, args.seconds, seed)
+        if before is not None and (after := learning(server)):
+            # what the tuner did during this run alone (the report's counters are totals)
+            r["learning"] = {k: v - before.get(k, 0) for k, v in after.items()
+                             if isinstance(v, int)}
         if target is not None:
             r["target_rps"] = target
         print(f"  {name:8} {level:12} {r['rps']:7.1f} req/s"
               + (f" (target {target:6.1f})" if target is not None else " " * 17)
               + f"  p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}  mean {r['mean_ms']:7.2f} ms"
-              f"  non-2xx {r['non_2xx']}  errors {r['errors']}", flush=True)
+              f"  non-2xx {r['non_2xx']}  errors {r['errors']}"
+              + (f"  froze {r['learning'].get('served_forwards_that_froze_a_shadow', 0)}"
+                 f" shadows {r['learning'].get('shadow_comparisons', 0)}"
+                 if "learning" in r else ""), flush=True)
         return r
+
+    def learning(server: Server) -> dict:
+        """The tuner's counters (``GET /v1/threads``), or {} where they cannot be read."""
+        try:
+            return server.threads().get("learning") or {}
+        except Exception:  # noqa: BLE001 (a bonus: the run's figures stand without it)
+            return {}
 
     out = {"meta": {**vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
@@ -244,14 +267,17 @@ def main() -> None:
         """``--rounds`` rounds, each server once per round (the order rotates, and runs
         backwards every other round, so no server always follows the same one: an adaptive
         server learning once its own run ends slows whichever comes next), so a drift of
-        the shared host falls on every server alike; the table keeps each server's median
-        per figure, the raw rounds go to ``out["rounds"]``."""
+        the shared host falls on every server alike; every server of a round gets the same
+        requests at the same pace (one wrk seed per round and level); the table keeps each
+        server's median per figure, the raw rounds go to ``out["rounds"]``."""
         names = list(servers)
         runs: dict[str, list[dict]] = {n: [] for n in names}
+        base = zlib.crc32((level + section).encode()) % 10**6 * 100
         for i in range(args.rounds):
             order = names[i % len(names):] + names[:i % len(names)]
-            for name in order[::-1] if i % 2 else order:
-                runs[name].append(measure(name, level, servers[name].url, path, conns, target))
+            for name in order[::-1] if i % 2 else order:  # a round's servers: one seed
+                runs[name].append(measure(name, level, servers[name], path, conns, target,
+                                          seed=base + i))
         for name, rs in runs.items():
             out["rounds"].setdefault(name, {})[level + section] = rs
             med = {k: statistics.median(r[k] for r in rs)
@@ -285,7 +311,8 @@ def main() -> None:
 
     if {"levels", "oracle"} & set(args.only):
         print("== every server up; levels measured in interleaved rounds", flush=True)
-        servers = up(SERVERS, "levels" in args.only)
+        servers = up(SERVERS + ((AGAIN,) if "levels" in args.only else ()),
+                     "levels" in args.only)
         try:
             if "levels" in args.only or "oracle" in args.only:
                 interleaved(servers, "closed 1", mixed, 1, levels)
@@ -301,7 +328,8 @@ def main() -> None:
             if "oracle" in args.only:
                 per = {}
                 for c in per_class:
-                    interleaved(servers, c, per_class[c], 1, per)
+                    interleaved({k: v for k, v in servers.items() if k != AGAIN[0]}, c,
+                                per_class[c], 1, per)
                 class_ms.update({n: {c: per[n][c]["mean_ms"] for c in per_class}
                                  for n in per})
                 mix_ms.update({n: levels[n]["closed 1"]["mean_ms"] for n in servers})
@@ -448,6 +476,13 @@ def main() -> None:
             levels.get("fixed 1", {}).get(lvl, {}).get("p99_ms")),
             paired("mode 1", "fixed 1", "p99_ms", lvl), lambda v: v <= 1.05,
             ratio(pooled_p99("mode 1", lvl), pooled_p99("fixed 1", lvl))))
+        if AGAIN[0] in levels:
+            targets.append((f"(n) null check: {AGAIN[0]} p99 / fixed 1 p99, {lvl}",
+                            "<= 1.05 (noise)", ratio(
+                                levels[AGAIN[0]].get(lvl, {}).get("p99_ms"),
+                                levels.get("fixed 1", {}).get(lvl, {}).get("p99_ms")),
+                            paired(AGAIN[0], "fixed 1", "p99_ms", lvl), lambda v: v <= 1.05,
+                            ratio(pooled_p99(AGAIN[0], lvl), pooled_p99("fixed 1", lvl))))
     for c in (16, 1):
         lvl = f"closed {c}"
         targets.append((f"(d) neighbour: mode 2 req/s / best fixed count, {c} client(s)", "> 1.00",

@@ -49,7 +49,8 @@ function setup(thread)
 end
 local counter = 0
 function init(args)
-  math.randomseed(os.time() * 1000 + tid)
+  -- a seed after wrk's "--": every server of a round gets the same bodies and think times
+  math.randomseed((tonumber(args[1]) or os.time()) * 1000 + tid)
 end
 if think_ms then
   function delay() return -math.log(1 - math.random()) * think_ms end
@@ -100,11 +101,19 @@ def lua(model: str, mix=MIX, think_ms: float | None = None) -> str:
             .replace("MODEL", model))
 
 
-def wrk(url: str, script: str, connections: int, seconds: float) -> dict:
-    """One wrk run: req/s (all completed responses), mean/p50/p99 ms, non-2xx, socket errors."""
+def wrk(url: str, script: str, connections: int, seconds: float,
+        seed: int | None = None) -> dict:
+    """One wrk run: req/s (all completed responses), mean/p50/p99 ms, non-2xx, socket errors.
+    ``seed``: the script's random numbers (bodies, lengths, think times) start from it, so
+    runs with one seed against different servers send the same requests at the same pace
+    (common random numbers: a paired ratio then compares the servers, not two draws of
+    Poisson arrivals; without, fixed 1's own p99 at 60% of capacity spanned 63-127 ms over
+    five runs). A server's runs need different seeds: its result cache would answer
+    repeats."""
     proc = subprocess.run(["wrk", "-t", str(min(connections, 2)), "-c", str(connections),
                            "-d", f"{max(1, round(seconds))}s", "--timeout", "30s", "-s", script,
-                           url], capture_output=True, text=True, timeout=seconds + 90)
+                           url, *(["--", str(seed)] if seed is not None else [])],
+                          capture_output=True, text=True, timeout=seconds + 90)
     m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
     if not m:
         print(f"wrk gave no result (rc {proc.returncode}): {proc.stderr.strip()[-300:]}",
