@@ -426,3 +426,46 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
     # a freeze only while a shadow runs: measured 6-31 (every one of them froze before)
     assert froze < forwards // 2
     assert len(tuner.ranges[lo].samples[2]) >= 6
+
+
+def test_a_shadow_cut_into_by_load_stays_frozen_until_the_load_calms(tmp_path):
+    """R4.5: mode 1; a shadow timing 2 threads on a large batch starts in the quiet (it shares
+    the served forwards' cores) and back-to-back load begins while it runs. The first served
+    forward freezes it; while served forwards take most of the time it stays frozen (thawed
+    in the gaps it would be cut into again at once, and served forwards overlapped it: it
+    cannot be a sample), and it ends once the load stops. Before, it was thawed and frozen
+    again around the forwards whose gap outlasted the hold."""
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    pauses: list[tuple[float, bool]] = []
+
+    def pause(shadows):
+        def wrapped(frozen: bool) -> bool:
+            pauses.append((time.monotonic(), frozen))
+            return shadows.pause(frozen)
+        return wrapped
+
+    runner, tuner, _ = shadowed_runner(
+        manifest, backend, AdaptiveMode.LEARN,
+        Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
+        TunerSettings(min_samples=6, budget_fraction=1.0),
+        EngineArgs(num_threads=1, cache_entries=0), pause=pause)
+    try:
+        wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
+        big = [row(120, 10**6 + i) for i in range(8)]  # 960 padded tokens: a long shadow
+        runner.engine.submit(big).result(timeout=60)
+        wait_until(lambda: tuner._shadowing and tuner._shadow_gated, 10,
+                   "a shadow that shares the served forwards' cores")
+        began = time.monotonic()
+        for i in range(600):
+            runner.engine.submit([row(60, i)]).result(timeout=60)
+        ended = time.monotonic()
+        wait_until(lambda: not tuner._shadowing, 30, "the shadow to end once the load stops")
+    finally:
+        runner.stop()
+    during = [(at, frozen) for at, frozen in pauses if began <= at <= ended]
+    late = [frozen for at, frozen in during if at >= began + (ended - began) / 2]
+    print(f"load {ended - began:.2f} s, pauses during it {len(during)}, thaws in its second "
+          f"half {late.count(False)}, frozen beside {tuner.frozen_beside}")
+    assert during and during[0][1] is True  # frozen by the first forward
+    assert late.count(False) == 0, during
