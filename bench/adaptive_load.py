@@ -3,7 +3,8 @@ one run, with the targets of the adaptive-threads work judged side by side at th
 
     python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--learn-seconds 60]
                                   [--max-num-batched-tokens 512]
-                                  [--only levels oracle neighbour phases]
+                                  [--only levels oracle neighbour phases p99]
+                                  [--p99-rounds 6] [--p99-seconds 20]
                                   [--quick] [--voucher PATH]
                                   [--out bench/results/adaptive_load.json]
 
@@ -49,6 +50,10 @@ Sections (``--only``):
   16 and 1 connection. The per-phase oracle (the better fixed count in each phase, half the
   time each, in req/s) says what following the toggling neighbour could gain over fixed 2
   and, beside the ``neighbour`` section in the same run, how much of it mode 2 got.
+- ``p99``: the learning-cost target alone, where its noise is largest: fixed 1, ``fixed 1
+  again`` and mode 1 at the three Poisson levels, ``--p99-rounds`` rounds of
+  ``--p99-seconds`` (default 6 of 20 s: 120 s per server and level, against ``levels``' 36
+  s, so its pooled p99 rests on over three times the slowest requests).
 
 Read the tables as one run on a shared machine: req/s counts every completed response,
 non-2xx ones (429 overload, 504 deadline) included and also shown apart; p50/p99/mean are
@@ -95,7 +100,7 @@ from bench.adaptive_wrk import (
     wrk,
 )
 
-SECTIONS = ("levels", "oracle", "neighbour", "phases")
+SECTIONS = ("levels", "oracle", "neighbour", "phases", "p99")
 POISSON = (0.3, 0.6, 0.9)
 POISSON_CONNS = 64
 # name, extra flags, learning mode
@@ -105,6 +110,7 @@ SERVERS = (("fixed 1", [], None), ("fixed 2", ["--threads", "2"], None),
 # noise a p99 ratio of this run carries (two such servers differed by up to 21%, pooled over
 # four 10-s rounds at 60% of capacity, with the same requests at the same pace)
 AGAIN = ("fixed 1 again", [], None)
+P99 = " (p99 section)"  # the p99 section's rounds: longer runs, more of them
 
 
 @contextmanager
@@ -167,6 +173,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
+    p.add_argument("--p99-rounds", type=int, default=6, help="rounds per level, p99 section")
+    p.add_argument("--p99-seconds", type=float, default=20, help="per run, p99 section")
     p.add_argument("--quick", action="store_true", help="smoke pass: 2 s levels, 6 s learning")
     p.add_argument("--voucher", help="a record that `threads verify` vouched for with the same "
                    "model and batch limits: reused if it exists, made there if not (the sweep "
@@ -175,6 +183,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.seconds, args.learn_seconds, args.rounds = 2, 6, 1
+        args.p99_seconds, args.p99_rounds = 2, 1
     if not shutil.which("wrk"):
         sys.exit("wrk (the C HTTP load generator) is not installed: apt-get install wrk")
     if {"neighbour", "phases"} & set(args.only) and not shutil.which("sha256sum"):
@@ -228,9 +237,10 @@ def main() -> None:
         return server
 
     def measure(name: str, level: str, server: Server, path: str, conns: int,
-                target: float | None = None, seed: int | None = None) -> dict:
+                target: float | None = None, seed: int | None = None,
+                seconds: float | None = None) -> dict:
         before = learning(server) if name.startswith("mode") else None
-        r = wrk(server.url, path, conns, args.seconds, seed)
+        r = wrk(server.url, path, conns, seconds or args.seconds, seed)
         if before is not None and (after := learning(server)):
             # what the tuner did during this run alone (the report's counters are totals)
             r["learning"] = {k: v - before.get(k, 0) for k, v in after.items()
@@ -263,7 +273,8 @@ def main() -> None:
     mix_ms: dict[str, float] = {}
 
     def interleaved(servers: dict[str, Server], level: str, path: str, conns: int,
-                    table: dict, target: float | None = None, section: str = "") -> None:
+                    table: dict, target: float | None = None, section: str = "",
+                    rounds: int | None = None, seconds: float | None = None) -> None:
         """``--rounds`` rounds, each server once per round (the order rotates, and runs
         backwards every other round, so no server always follows the same one: an adaptive
         server learning once its own run ends slows whichever comes next), so a drift of
@@ -273,11 +284,11 @@ def main() -> None:
         names = list(servers)
         runs: dict[str, list[dict]] = {n: [] for n in names}
         base = zlib.crc32((level + section).encode()) % 10**6 * 100
-        for i in range(args.rounds):
+        for i in range(rounds or args.rounds):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order[::-1] if i % 2 else order:  # a round's servers: one seed
                 runs[name].append(measure(name, level, servers[name], path, conns, target,
-                                          seed=base + i))
+                                          seed=base + i, seconds=seconds))
         for name, rs in runs.items():
             out["rounds"].setdefault(name, {})[level + section] = rs
             med = {k: statistics.median(r[k] for r in rs)
@@ -336,6 +347,25 @@ def main() -> None:
         finally:
             down(servers)
 
+    long_p99 = out["p99"] = {}
+    if "p99" in args.only:
+        print(f"== p99: fixed 1, {AGAIN[0]} and mode 1 at the Poisson levels, "
+              f"{args.p99_rounds} rounds of {args.p99_seconds:g} s", flush=True)
+        servers = up((SERVERS[0], AGAIN, SERVERS[2]))
+        try:
+            if not out["capacity_rps"] and "fixed 1" in servers:
+                out["capacity_rps"] = wrk(servers["fixed 1"].url, mixed, 16,
+                                          args.seconds)["rps"]
+            capacity = out["capacity_rps"]
+            for share in POISSON if capacity and math.isfinite(capacity) else ():
+                rate = share * capacity
+                path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
+                interleaved(servers, f"poisson {share:.0%}", path, POISSON_CONNS, long_p99,
+                            rate, section=P99, rounds=args.p99_rounds,
+                            seconds=args.p99_seconds)
+        finally:
+            down(servers, P99)
+
     oracle = None
     if {"fixed 1", "fixed 2"} <= set(class_ms):
         # like against like: every server's class means weighted by the mix's shares
@@ -381,6 +411,15 @@ def main() -> None:
                   "non-2xx"],
                  [[s, lvl, r.get("target_rps"), r["rps"], r["p50_ms"], r["p99_ms"], r["mean_ms"],
                    r["non_2xx"]] for s, rows in levels.items() for lvl, r in rows.items()]))
+        print()
+    if long_p99:
+        print(f"### p99 section: the Poisson levels again, {args.p99_rounds} rounds of "
+              f"{args.p99_seconds:g} s per server and level\n")
+        print(md(["server", "level", "target req/s", "req/s", "p50 ms", "p99 ms",
+                  "pooled p99 ms", "non-2xx"],
+                 [[s, lvl, r.get("target_rps"), r["rps"], r["p50_ms"], r["p99_ms"],
+                   pooled_percentile(out["rounds"][s][lvl + P99]), r["non_2xx"]]
+                  for s, rows in long_p99.items() for lvl, r in rows.items()]))
         print()
     if oracle is not None:
         print("### Per-length-class oracle at 1 connection (mean ms; per class, not per "
@@ -483,6 +522,14 @@ def main() -> None:
                                 levels.get("fixed 1", {}).get(lvl, {}).get("p99_ms")),
                             paired(AGAIN[0], "fixed 1", "p99_ms", lvl), lambda v: v <= 1.05,
                             ratio(pooled_p99(AGAIN[0], lvl), pooled_p99("fixed 1", lvl))))
+    for lvl in long_p99.get("fixed 1", {}):
+        for name, tag in (("mode 1", "(c)"), (AGAIN[0], "(n) null check:")):
+            if name in long_p99:
+                goal = "<= 1.05" + (" (noise)" if name == AGAIN[0] else "")
+                targets.append((f"{tag} {name} p99 / fixed 1 p99, {lvl}{P99}", goal, ratio(
+                    long_p99[name][lvl]["p99_ms"], long_p99["fixed 1"][lvl]["p99_ms"]),
+                    paired(name, "fixed 1", "p99_ms", lvl + P99), lambda v: v <= 1.05,
+                    ratio(pooled_p99(name, lvl + P99), pooled_p99("fixed 1", lvl + P99))))
     for c in (16, 1):
         lvl = f"closed {c}"
         targets.append((f"(d) neighbour: mode 2 req/s / best fixed count, {c} client(s)", "> 1.00",
