@@ -382,21 +382,16 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
         runner.stop()
 
 
-def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(tmp_path):
-    """R4.5: mode 1, one client sending back to back: every gap between served forwards is
-    the client's turnaround, shorter than a shadow. A shadow timing 2 threads needs the core
-    the next served forward runs on (an idle-class one sharing it made served forwards 1.5x
-    slower here), would be frozen and its time thrown away; such shadows wait until the
-    worker has been idle long enough, so under this load few start, and once the client
-    stops, 2 threads is timed on the last batch and the range is learned. The shadow side
-    is frozen beside a served forward only while a shadow runs."""
+def learning_runner(tmp_path):
+    """Mode 1 on L3 (1 thread configured, counts 1 and 2) with the shadow side's freezes and
+    thaws recorded: (when, frozen)."""
     manifest = resolve(L3)
     backend = load_backend(manifest, "onnxruntime")
-    pauses: list[bool] = []
+    pauses: list[tuple[float, bool]] = []
 
     def pause(shadows):
         def wrapped(frozen: bool) -> bool:
-            pauses.append(frozen)
+            pauses.append((time.monotonic(), frozen))
             return shadows.pause(frozen)
         return wrapped
 
@@ -405,6 +400,18 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
         Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
         TunerSettings(min_samples=6, budget_fraction=1.0),
         EngineArgs(num_threads=1, cache_entries=0), pause=pause)
+    return runner, tuner, pauses
+
+
+def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(tmp_path):
+    """R4.5: mode 1, one client sending back to back: every gap between served forwards is
+    the client's turnaround, shorter than a shadow. A shadow timing 2 threads needs the core
+    the next served forward runs on (an idle-class one sharing it made served forwards 1.5x
+    slower here), would be frozen and its time thrown away; such shadows wait until the
+    worker has been idle long enough, so under this load few start, and once the client
+    stops, 2 threads is timed on the last batch and the range is learned. The shadow side
+    is frozen beside a served forward only while a shadow runs."""
+    runner, tuner, pauses = learning_runner(tmp_path)
     lo = size_range(120)[0]
     try:
         wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
@@ -413,7 +420,7 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
             runner.engine.submit([row(120, i)]).result(timeout=60)
         with tuner.lock:
             started = tuner.comparisons
-            overlapped, froze = tuner.discarded, pauses.count(True)
+            overlapped, froze = tuner.discarded, [f for _, f in pauses].count(True)
             timed_served = tuner.served_samples
         wait_until(lambda: tuner.ranges[lo].learned is not None, 60,
                    "2 threads timed once the client stopped")
@@ -435,21 +442,7 @@ def test_a_shadow_cut_into_by_load_stays_frozen_until_the_load_calms(tmp_path):
     in the gaps it would be cut into again at once, and served forwards overlapped it: it
     cannot be a sample), and it ends once the load stops. Before, it was thawed and frozen
     again around the forwards whose gap outlasted the hold."""
-    manifest = resolve(L3)
-    backend = load_backend(manifest, "onnxruntime")
-    pauses: list[tuple[float, bool]] = []
-
-    def pause(shadows):
-        def wrapped(frozen: bool) -> bool:
-            pauses.append((time.monotonic(), frozen))
-            return shadows.pause(frozen)
-        return wrapped
-
-    runner, tuner, _ = shadowed_runner(
-        manifest, backend, AdaptiveMode.LEARN,
-        Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
-        TunerSettings(min_samples=6, budget_fraction=1.0),
-        EngineArgs(num_threads=1, cache_entries=0), pause=pause)
+    runner, tuner, pauses = learning_runner(tmp_path)
     try:
         wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
         big = [row(120, 10**6 + i) for i in range(8)]  # 960 padded tokens: a long shadow

@@ -499,8 +499,9 @@ class AdaptiveThreads:
         no longer do (checked at each served forward's end, and ``busy_window_s`` after the
         last): thawed in the gaps, it would be cut into again at once, and it could not be
         a sample anyway (served forwards overlapped it). One such shadow, started in the
-        quiet before a run, was frozen and thawed around every forward of 10-s runs of
-        short inputs at 1 connection: mode 1's mean 1.04-1.28x fixed 1's."""
+        quiet before a run, froze at every forward of 10-s runs of short inputs at 1
+        connection, thawed in the gaps that outlasted the hold: mode 1's mean 1.04-1.28x
+        fixed 1's; held frozen, 1.00-1.01x."""
         gaps = list(self._gaps)[-8:]
         hold = min(self.settings.thaw_hold_s, 2 * statistics.median(gaps)) if gaps else 0.0
         if self._shadow_gated and self._shadowing and \
@@ -584,11 +585,11 @@ class AdaptiveThreads:
         free (10th-90th percentile of 0.1-s windows) with no neighbour, 1.0-1.5 beside one
         CPU-bound process (the server process counts as the worker's own). With this bar
         (a quarter of a core), contention began 4-17 forwards after such a neighbour came,
-        one client; with half a core, 6-46; with no bar, 5-22. Slow
-        forwards alone started it with none there (the load itself: mode 2 served 97
-        forwards below its learned count at 16 connections, 0.94x fixed 2). False where
-        the free cores cannot be read, or no recent whole window says (forwards over a
-        second apart): the slowdowns decide alone."""
+        one client; with half a core, 6-46; with no bar, 5-22. Slow forwards alone started
+        it with none there (the load itself: mode 2 served 97 forwards below its learned
+        count at 16 connections, 0.94x fixed 2). False where the free cores cannot be read,
+        or no recent whole window says (forwards over a second apart): the slowdowns decide
+        alone."""
         rate = self._free_cores(now)
         if not self._free_ok:
             return False
