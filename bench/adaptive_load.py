@@ -509,27 +509,23 @@ def main() -> None:
                ("(b) per-class oracle mean / mode 2 mean at 1 client", ">= 0.97",
                 (out["oracle"].get("oracle_over_server") or {}).get("mode 2"),
                 oracle_rounds() if oracle is not None else [], lambda v: v >= 0.97, None)]
+    def p99_target(name: str, lvl: str, table: dict, section: str = "") -> tuple:
+        """``name``'s p99 over fixed 1's: mode 1's is target (c); the second fixed 1's is
+        the null check, the noise of this run's p99 ratios."""
+        null = name == AGAIN[0]
+        return (f"{'(n) null check:' if null else '(c)'} {name} p99 / fixed 1 p99, "
+                f"{lvl}{section}", "<= 1.05" + (" (noise)" if null else ""),
+                ratio(table.get(name, {}).get(lvl, {}).get("p99_ms"),
+                      table.get("fixed 1", {}).get(lvl, {}).get("p99_ms")),
+                paired(name, "fixed 1", "p99_ms", lvl + section), lambda v: v <= 1.05,
+                ratio(pooled_p99(name, lvl + section), pooled_p99("fixed 1", lvl + section)))
+
     for lvl in ("closed 1", "closed 16", *(f"poisson {s:.0%}" for s in POISSON)):
-        targets.append((f"(c) mode 1 p99 / fixed 1 p99, {lvl}", "<= 1.05", ratio(
-            levels.get("mode 1", {}).get(lvl, {}).get("p99_ms"),
-            levels.get("fixed 1", {}).get(lvl, {}).get("p99_ms")),
-            paired("mode 1", "fixed 1", "p99_ms", lvl), lambda v: v <= 1.05,
-            ratio(pooled_p99("mode 1", lvl), pooled_p99("fixed 1", lvl))))
-        if AGAIN[0] in levels:
-            targets.append((f"(n) null check: {AGAIN[0]} p99 / fixed 1 p99, {lvl}",
-                            "<= 1.05 (noise)", ratio(
-                                levels[AGAIN[0]].get(lvl, {}).get("p99_ms"),
-                                levels.get("fixed 1", {}).get(lvl, {}).get("p99_ms")),
-                            paired(AGAIN[0], "fixed 1", "p99_ms", lvl), lambda v: v <= 1.05,
-                            ratio(pooled_p99(AGAIN[0], lvl), pooled_p99("fixed 1", lvl))))
+        targets += [p99_target(n, lvl, levels) for n in ("mode 1", AGAIN[0])
+                    if n == "mode 1" or n in levels]
     for lvl in long_p99.get("fixed 1", {}):
-        for name, tag in (("mode 1", "(c)"), (AGAIN[0], "(n) null check:")):
-            if name in long_p99:
-                goal = "<= 1.05" + (" (noise)" if name == AGAIN[0] else "")
-                targets.append((f"{tag} {name} p99 / fixed 1 p99, {lvl}{P99}", goal, ratio(
-                    long_p99[name][lvl]["p99_ms"], long_p99["fixed 1"][lvl]["p99_ms"]),
-                    paired(name, "fixed 1", "p99_ms", lvl + P99), lambda v: v <= 1.05,
-                    ratio(pooled_p99(name, lvl + P99), pooled_p99("fixed 1", lvl + P99))))
+        targets += [p99_target(n, lvl, long_p99, P99) for n in ("mode 1", AGAIN[0])
+                    if n in long_p99]
     for c in (16, 1):
         lvl = f"closed {c}"
         targets.append((f"(d) neighbour: mode 2 req/s / best fixed count, {c} client(s)", "> 1.00",
