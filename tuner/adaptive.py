@@ -281,6 +281,7 @@ class AdaptiveThreads:
         # cores other tasks left this worker over the last whole window, and its start
         self._free_rate: tuple[float, float] | None = None
         self._free_ok = free_cpu_s is not None  # ... the last reading worked
+        self._free_at: dict[int, float] = {}  # count -> when a window last left its cores free
         self.samples_cores_busy = 0  # served samples not kept: other tasks held their cores
         self._shadow_s = 0.0
         self._started = clock()
@@ -559,7 +560,11 @@ class AdaptiveThreads:
             r.contended_since = now
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
                      2 * lo - 1, small, slowed)
-        elif now - r.contended_since > s.contention_relearn_s:
+        elif now - max(r.contended_since, self._free_at.get(big, -1e9)) > \
+                s.contention_relearn_s:
+            # contended all along: since it began, no window left the cores free (a range
+            # served every few seconds saw a neighbour 2 s of every 4 and relearned 6-9 times
+            # in 9 minutes on the simulator, measuring from its own first contended forward)
             log.info("threads_relearn range=%d-%d contended_s=%.0f", lo, 2 * lo - 1,
                      now - r.contended_since)
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
@@ -621,6 +626,10 @@ class AdaptiveThreads:
         self._free_mark = None if free_s is None else (now, free_s)
         self._free_rate = None if free_s is None or mark is None or \
             now - mark[0] > 10 * window else ((free_s - mark[1]) / (now - mark[0]), mark[0])
+        if self._free_rate is not None:  # which counts' cores this window left free
+            slack = self.settings.contention_free_slack
+            self._free_at.update({n: now for n in self.counts
+                                  if self._free_rate[0] >= n - slack})
         return self._free_rate
 
     def _cores_busy(self, now: float, r: RangeLearning, n: int) -> bool:
