@@ -217,17 +217,15 @@ class HostRecord:
 
     def _check(self, conn: sqlite3.Connection) -> str | None:
         """None if the file is ours (or new); else why it must be moved aside. The header and
-        the tables are read in one transaction: read apart, a worker that created the
-        tables between the reads made a new record look foreign (application_id 0 with
-        tables), and it was moved aside under the worker writing to it (a kill test lost a
-        writer's committed learnings so, under the full suite's load)."""
-        conn.execute("BEGIN")
-        try:
-            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        finally:
-            conn.execute("COMMIT")
+        the tables are read by one statement, so from one snapshot: read apart, a worker
+        that created the tables between the reads made a new record look foreign
+        (application_id 0 with tables), and it was moved aside under the worker writing to
+        it (a kill test lost a writer's committed learnings so, under the full suite's
+        load)."""
+        app_id, version, tables = conn.execute(
+            "SELECT (SELECT application_id FROM pragma_application_id),"
+            " (SELECT user_version FROM pragma_user_version),"
+            " (SELECT count(*) FROM sqlite_master)").fetchone()
         if app_id == 0 and tables == 0:
             return None  # new or empty file
         if app_id != APPLICATION_ID:
