@@ -299,3 +299,21 @@ def test_a_range_served_every_few_seconds_is_not_relearned_over_a_toggling_neigh
     outcome = host.run(trace)
     r = host.tuner.ranges[512]
     assert outcome.relearns == 0 and r.learned == 2 and r.serving
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_pause_in_traffic_does_not_count_as_contention(seed):
+    """R4.11: contention relearns a range only over ``contention_relearn_s`` (10 s) seen
+    contended. Traffic in 10-s bursts with 10-s pauses (the bench's rounds) beside a
+    neighbour 2 s on and 2 s off: no forward reads the free cores in a pause, and counted
+    from the last contended forward before it, the first forward after it relearned (real
+    host, 2 cores: 64-127 and 16-31 padded tokens, ``contended_s=13``, each right after a
+    pause); now a pause restarts the count."""
+    neighbours = [Neighbour(1, t, t + 2) for t in range(60, 400, 4)]
+    trace = poisson_trace(15, 60, [64, 256], seed=seed)
+    for start in range(60, 400, 20):
+        trace += poisson_trace(15, 10, [64, 256], seed=seed + start, start_s=start)
+    host = SimulatedHost(TimeModel(2), neighbours, seed=seed)
+    outcome = host.run(trace)
+    assert host.tuner.contended > 0  # it followed the neighbour
+    assert outcome.relearns == 0

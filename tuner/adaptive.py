@@ -282,6 +282,7 @@ class AdaptiveThreads:
         self._free_rate: tuple[float, float] | None = None
         self._free_ok = free_cpu_s is not None  # ... the last reading worked
         self._free_at: dict[int, float] = {}  # count -> when a window last left its cores free
+        self._unseen_at = -1e9  # when a read followed a stretch no window covered (a pause)
         self.samples_cores_busy = 0  # served samples not kept: other tasks held their cores
         self._shadow_s = 0.0
         self._started = clock()
@@ -560,11 +561,13 @@ class AdaptiveThreads:
             r.contended_since = now
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
                      2 * lo - 1, small, slowed)
-        elif now - max(r.contended_since, self._free_at.get(big, -1e9)) > \
+        elif now - max(r.contended_since, self._free_at.get(big, -1e9), self._unseen_at) > \
                 s.contention_relearn_s:
             # contended all along: since it began, no window left the cores free (a range
             # served every few seconds saw a neighbour 2 s of every 4 and relearned 6-9 times
-            # in 9 minutes on the simulator, measuring from its own first contended forward)
+            # in 9 minutes on the simulator, measuring from its own first contended forward),
+            # and windows covered all of it (a pause in traffic is no sign: on the real host
+            # the first forward after 10 s without traffic relearned, ``contended_s=13``)
             log.info("threads_relearn range=%d-%d contended_s=%.0f", lo, 2 * lo - 1,
                      now - r.contended_since)
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
@@ -624,8 +627,11 @@ class AdaptiveThreads:
         free_s = self.free_cpu_s()
         self._free_ok = free_s is not None
         self._free_mark = None if free_s is None else (now, free_s)
-        self._free_rate = None if free_s is None or mark is None or \
-            now - mark[0] > 10 * window else ((free_s - mark[1]) / (now - mark[0]), mark[0])
+        stale = mark is None or now - mark[0] > 10 * window
+        if stale:  # nothing read since ``mark`` (no forward): what the cores did is unknown
+            self._unseen_at = now
+        self._free_rate = None if free_s is None or stale else \
+            ((free_s - mark[1]) / (now - mark[0]), mark[0])
         if self._free_rate is not None:  # which counts' cores this window left free
             slack = self.settings.contention_free_slack
             self._free_at.update({n: now for n in self.counts
