@@ -160,7 +160,6 @@ class RangeLearning:
     serving: bool = False
     relearning: bool = False
     relearns: int = 0
-    born: float | None = None  # when this exploration saw its first served sample
     keep_serving: int | None = None  # mode 2, relearning: the verified count served meanwhile
     served_at_learned: int = 0
     # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
@@ -530,7 +529,9 @@ class AdaptiveThreads:
         (beyond noise) and a vouched count below it would now be faster by
         ``contention_margin`` (a neighbour took a core: here 2 threads ran 2x slower beside
         one CPU-bound process, 1 thread not at all), the fastest such count serves
-        meanwhile, and one forward every ``contention_probe_s`` at L tells when that is over
+        meanwhile (where the free cores are read: once other tasks hold L's cores, the
+        count that fits the cores they left, ``_fits``), and one forward every
+        ``contention_probe_s`` at L tells when that is over
         (a neighbour that comes and goes in seconds is followed within a second). Still so
         after ``contention_relearn_s``: the range relearns under what the host is now. Where
         the free cores can be read, no probes: it is over once other tasks leave the learned
@@ -538,8 +539,8 @@ class AdaptiveThreads:
         where a probe ran L beside it, here 2.5x slower, every 0.25 s and two fast ones in a
         row ended it). Returns the count and why (None, "fallback" or "probe")."""
         s, big, now = self.settings, r.learned, self.clock()
-        if self.free_cpu_s is not None:  # read on: a whole window is there when it slows
-            self._free_cores(now)
+        # read on: a whole window is there when it slows
+        rate = self._free_cores(now) if self.free_cpu_s is not None else None
         # once contended with free cores to read, only they end it: L runs no forward
         # meanwhile, and its slow times would only age out
         held = r.contended_since is not None and self._free_ok
@@ -548,11 +549,11 @@ class AdaptiveThreads:
                  and (base := r.baselines.get((n, "shadow"))) is not None
                  and self.voucher.covers_counts(n, self.configured)]
         if at_big is None or not below or not held and (
-                slowed < s.contention_slowdown
-                or at_big * slowed <= min(below)[0] * (1 + s.contention_margin)):
+                slowed < s.contention_slowdown or rate is None
+                and at_big * slowed <= min(below)[0] * (1 + s.contention_margin)):
             r.contended_since = None
             return big, None
-        small = min(below)[1]
+        small = self._fits(below, rate) if rate is not None else min(below)[1]
         if r.contended_since is None and self.free_cpu_s is not None and \
                 self._cores_free(now, big):
             self.slow_cores_free += 1  # slow, but no other task holds its cores: the load
@@ -585,6 +586,18 @@ class AdaptiveThreads:
             self._last_probe = now
             return big, "probe"
         return small, "fallback"
+
+    def _fits(self, below: list[tuple[float, int]], rate: tuple[float, float]) -> int:
+        """The count a contended range serves where the free cores are read: the largest
+        vouched count below the learned one that the cores other tasks left fit (to within
+        ``contention_free_slack``), else the smallest. Not the count the slowdowns predict
+        fastest: each count's slowdown is the median over recent forwards of any range, at
+        times seconds old, and at the start of each of a toggling neighbour's phases the
+        1-thread slowdown still held the last phase's (1.4-1.55x; 1 thread then ran 1.2x
+        faster than 2, per token): beside the neighbour at 16 connections, mode 2 began
+        serving 1 thread 0.27-0.52 s into a 2-s phase, and in one of six not at all."""
+        fit = [n for _, n in below if n <= rate[0] + self.settings.contention_free_slack]
+        return max(fit) if fit else min(n for _, n in below)
 
     def _cores_free(self, now: float, n: int) -> bool:
         """Other tasks held less than ``contention_held_min`` of the cores ``n`` threads
@@ -641,14 +654,19 @@ class AdaptiveThreads:
     def _cores_busy(self, now: float, r: RangeLearning, n: int) -> bool:
         """A served forward at ``n`` of a range exploring is no sample: other tasks held the
         cores it needs (``n`` beyond the free cores by more than ``contention_free_slack``:
-        what ends contention). Not after the range has explored ``contention_relearn_s``:
-        such a neighbour is the host now, and the range learns under it. Beside one that
-        took a core 2 s of every 4, a range learned from 12 samples per count inside one of
-        its phases (mode 2 then served 1 thread where 2 were 1.2-1.4x faster)."""
+        what ends contention). Not once windows have seen them held for
+        ``contention_relearn_s`` without a break (as contention relearns): such a neighbour
+        is the host now, and the range learns under it. Beside one that took a core 2 s of
+        every 4, a range learned from 12 samples per count inside one of its phases (mode 2
+        then served 1 thread where 2 were 1.2-1.4x faster); counted from the range's first
+        sample instead, one that explored for over 10 s kept samples of both phases (the
+        real host, 64-127 padded tokens: 8 of 15 at 2 threads the neighbour's, and it
+        learned 1 thread)."""
         rate = self._free_cores(now)
         if rate is None or rate[0] >= n - self.settings.contention_free_slack:
             return False
-        return r.born is None or now - r.born < self.settings.contention_relearn_s
+        return now - max(self._free_at.get(n, -1e9), self._unseen_at) < \
+            self.settings.contention_relearn_s
 
     def _note_slowdown(self, n: int, slowdown: float, probe: bool) -> None:
         """A served forward at ``n`` ran ``slowdown`` times its range's time when learned.
@@ -729,8 +747,6 @@ class AdaptiveThreads:
             elif timed[4] and (timed[0] or (timed[1] and timed[2] == self._shadow_epoch)):
                 # shadows frozen, or none ran beside it: clean, unless other tasks held
                 # the cores it needed
-                if r.born is None:
-                    r.born = now
                 if self._cores_busy(now, r, result.num_threads):
                     self.samples_cores_busy += 1
                 else:
