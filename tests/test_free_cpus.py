@@ -85,6 +85,9 @@ def test_a_process_that_yields_to_the_worker_counts_as_free(how):
     """Another server's idle-class shadows running on idle time looked like a neighbour to
     mode 2; a spinning process that yields (found by the scan) leaves the free cores whole."""
     cores = len(os.sched_getaffinity(0))
+    quiet = FreeCpus()  # the shared host's own load, side by side (a suite's last test
+    quiet.close()  # still tearing down took a third of a core once)
+    alone = cores_free(quiet)
     child = subprocess.Popen([sys.executable, "-c", YIELDING[how] + "\nwhile True: pass"])
     try:
         wait_until(lambda: spinning(child), 10, "the child to spin")
@@ -94,7 +97,7 @@ def test_a_process_that_yields_to_the_worker_counts_as_free(how):
     finally:
         child.kill()
         child.wait(10)
-    assert beside >= cores - 0.3, beside
+    assert beside >= min(alone, cores) - 0.3, (alone, beside)
 
 
 def test_a_named_process_that_is_gone_counts_nothing():

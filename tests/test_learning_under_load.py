@@ -155,7 +155,10 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
     neighbour = None
     try:
         batch = pad([row(120)])
-        quiet = [shadows.forward(batch, 2) for _ in range(5)]
+        quiet = []  # the shared host's other tasks can hold a CPU for a while: up to 30 tries
+        while len(quiet) < 30 and not any(not preempted(r.forward_s, r.waited_s)
+                                          for r in quiet):
+            quiet.append(shadows.forward(batch, 2))
         assert all(r.waited_s is not None for r in quiet)
         assert any(not preempted(r.forward_s, r.waited_s) for r in quiet), \
             [(r.forward_s, r.waited_s) for r in quiet]
@@ -356,7 +359,9 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
         # measured with probes: 1 thread served 10-51 of these 60 (the kernel at times
         # gives the 2 threads both cores for a while; a probe then ends it until 3 forwards
         # show it again)
-        assert tuner.contended >= 8 and beside.count(1) >= 8, (tuner.contended, beside)
+        assert tuner.contended >= 8 and beside.count(1) >= 8, (
+            tuner.contended, beside, tuner.ranges[lo].baselines,
+            {n: list(v) for n, v in tuner._slowdowns.items()})
         print("beside", beside, tuner.contended, tuner.contention_probes)
         if free_cpus:  # the neighbour holds its core: nothing ends it, nothing probes
             # (measured: 1 thread from the 5th-22nd of these forwards on, every one after)
