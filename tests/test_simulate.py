@@ -326,8 +326,8 @@ def test_a_range_that_explores_for_long_beside_a_toggling_neighbour_keeps_no_slo
     10 s of exploring (a neighbour there for good is the host); a range that explored
     longer beside a neighbour 2 s on and 2 s off kept samples from both phases. On the real
     host (64-127 padded tokens, served mostly in the 1-connection bursts of the bench's
-    learning) 8 of its 15 samples at 2 threads were the neighbour's (17-41 ms against 7.2-9.8)
-    and it learned 1 thread, where 2 are 1.4x faster once the neighbour leaves. Here 40
+    learning) 8 of its 15 samples at 2 threads were the neighbour's (14.6-41 ms; the rest
+    7.2-11.7) and it learned 1 thread, where 2 are 1.2-1.3x faster without the neighbour. Here 40
     samples per count at 3 forwards/s: before, 9-15 of the 40 at 2 threads were over 1.3x
     the quiet time (seeds 1-5); now held cores reject a sample until no window has left them
     free for 10 s, and 0-3 are (forwards that began as the neighbour came: the window before
