@@ -450,7 +450,7 @@ class AdaptiveThreads:
                     log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
                 now = self.clock()  # a count whose cores other tasks hold waits
                 n = self._explore_count(r, n, [k for k in self._need(r)
-                                               if not self._cores_busy(now, r, k)])
+                                               if not self._cores_busy(now, k)])
             if n != self.configured and not self.voucher.covers(
                     batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
                 self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
@@ -651,7 +651,7 @@ class AdaptiveThreads:
                                   if self._free_rate[0] >= n - slack})
         return self._free_rate
 
-    def _cores_busy(self, now: float, r: RangeLearning, n: int) -> bool:
+    def _cores_busy(self, now: float, n: int) -> bool:
         """A served forward at ``n`` of a range exploring is no sample: other tasks held the
         cores it needs (``n`` beyond the free cores by more than ``contention_free_slack``:
         what ends contention). Not once windows have seen them held for
@@ -747,7 +747,7 @@ class AdaptiveThreads:
             elif timed[4] and (timed[0] or (timed[1] and timed[2] == self._shadow_epoch)):
                 # shadows frozen, or none ran beside it: clean, unless other tasks held
                 # the cores it needed
-                if self._cores_busy(now, r, result.num_threads):
+                if self._cores_busy(now, result.num_threads):
                     self.samples_cores_busy += 1
                 else:
                     self.served_samples += 1
