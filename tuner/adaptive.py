@@ -549,8 +549,9 @@ class AdaptiveThreads:
                  and (base := r.baselines.get((n, "shadow"))) is not None
                  and self.voucher.covers_counts(n, self.configured)]
         if at_big is None or not below or not held and (
-                slowed < s.contention_slowdown or rate is None
-                and at_big * slowed <= min(below)[0] * (1 + s.contention_margin)):
+                slowed < s.contention_slowdown or (
+                    rate is None
+                    and at_big * slowed <= min(below)[0] * (1 + s.contention_margin))):
             r.contended_since = None
             return big, None
         small = self._fits(below, rate) if rate is not None else min(below)[1]
@@ -562,8 +563,7 @@ class AdaptiveThreads:
             r.contended_since = now
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
                      2 * lo - 1, small, slowed)
-        elif now - max(r.contended_since, self._free_at.get(big, -1e9), self._unseen_at) > \
-                s.contention_relearn_s:
+        elif now - max(r.contended_since, self._held_since(big)) > s.contention_relearn_s:
             # contended all along: since it began, no window left the cores free (a range
             # served every few seconds saw a neighbour 2 s of every 4 and relearned 6-9 times
             # in 9 minutes on the simulator, measuring from its own first contended forward),
@@ -665,8 +665,13 @@ class AdaptiveThreads:
         rate = self._free_cores(now)
         if rate is None or rate[0] >= n - self.settings.contention_free_slack:
             return False
-        return now - max(self._free_at.get(n, -1e9), self._unseen_at) < \
-            self.settings.contention_relearn_s
+        return now - self._held_since(n) < self.settings.contention_relearn_s
+
+    def _held_since(self, n: int) -> float:
+        """Since when windows have seen other tasks hold ``n`` threads' cores without a
+        break: the last window that left them free, or the last read after a stretch no
+        window covered (a pause in traffic says nothing either way)."""
+        return max(self._free_at.get(n, -1e9), self._unseen_at)
 
     def _note_slowdown(self, n: int, slowdown: float, probe: bool) -> None:
         """A served forward at ``n`` ran ``slowdown`` times its range's time when learned.
