@@ -364,6 +364,14 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
         # measured with probes: 1 thread served 10-51 of these 60 (the kernel at times
         # gives the 2 threads both cores for a while; a probe then ends it until 3 forwards
         # show it again)
+        if not free_cpus and not (tuner.contended >= 8 and beside.count(1) >= 8):
+            # probes decide by speed alone: where the host (CI once) ran 1 thread beside the
+            # neighbour as slow per token as 2, staying at 2 was right, and this host cannot
+            # show giving way; timed here, beside the neighbour, side by side
+            one, two = beside_times(backend, salt)
+            if two < 1.25 * one:
+                pytest.skip(f"beside the neighbour 1 thread took {one * 1e3:.1f} ms, 2 threads "
+                            f"{two * 1e3:.1f} ms: 1 thread not faster, nothing to give way to")
         assert tuner.contended >= 8 and beside.count(1) >= 8, (
             tuner.contended, beside, tuner.ranges[lo].baselines,
             {n: list(v) for n, v in tuner._slowdowns.items()})
@@ -390,6 +398,23 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
             neighbour.kill()
             neighbour.wait(10)
         runner.stop()
+
+
+def beside_times(backend, salt, rounds: int = 3) -> tuple[float, float]:
+    """Median seconds of a forward of 128 padded tokens at 1 and at 2 threads on
+    ``backend`` (the served side idle meanwhile), in runs of 4 at each count in turn, the
+    first of each run untimed: onnxruntime's 2-thread pool spins on after a forward, and
+    a 1-thread forward just after one ran 2x slower beside a neighbour here."""
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(rounds):
+        for n in (1, 2):
+            for i in range(4):
+                batch = pad([row(128, next(salt))])
+                start = time.perf_counter()
+                backend.forward(batch, n)
+                if i:
+                    times[n].append(time.perf_counter() - start)
+    return float(np.median(times[1])), float(np.median(times[2]))
 
 
 def learning_runner(tmp_path):
