@@ -95,6 +95,7 @@ from bench.adaptive_wrk import (
     learn,
     lua,
     pooled_percentile,
+    range_states,
     threads_summary,
     verify,
     wrk,
@@ -239,12 +240,16 @@ def main() -> None:
     def measure(name: str, level: str, server: Server, path: str, conns: int,
                 target: float | None = None, seed: int | None = None,
                 seconds: float | None = None) -> dict:
-        before = learning(server) if name.startswith("mode") else None
+        before = report(server) if name.startswith("mode") else None
         r = wrk(server.url, path, conns, seconds or args.seconds, seed)
-        if before is not None and (after := learning(server)):
-            # what the tuner did during this run alone (the report's counters are totals)
-            r["learning"] = {k: v - before.get(k, 0) for k, v in after.items()
+        if before is not None and (after := report(server)).get("learning"):
+            # what the tuner did during this run alone (the report's counters are totals),
+            # and each range's state as the run began and as it ended (a low round: were
+            # its ranges still exploring, or learned but not yet past their window?)
+            was = before.get("learning") or {}
+            r["learning"] = {k: v - was.get(k, 0) for k, v in after["learning"].items()
                              if isinstance(v, int)}
+            r["ranges"] = {"before": range_states(before), "after": range_states(after)}
         if target is not None:
             r["target_rps"] = target
         print(f"  {name:8} {level:12} {r['rps']:7.1f} req/s"
@@ -256,10 +261,10 @@ def main() -> None:
                  if "learning" in r else ""), flush=True)
         return r
 
-    def learning(server: Server) -> dict:
-        """The tuner's counters (``GET /v1/threads``), or {} where they cannot be read."""
+    def report(server: Server) -> dict:
+        """``GET /v1/threads``, or {} where it cannot be read."""
         try:
-            return server.threads().get("learning") or {}
+            return server.threads()
         except Exception:  # noqa: BLE001 (a bonus: the run's figures stand without it)
             return {}
 

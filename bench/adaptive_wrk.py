@@ -197,6 +197,14 @@ def threads_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def range_states(report: dict) -> dict[str, str]:
+    """Each range of a ``GET /v1/threads`` report as "served/learned state verified passes":
+    ``{"64-127": "1/2 learned 5"}`` (learned 2, serving 1 until its window passes)."""
+    return {r["size_range"]: f"{r['served_threads']}/{r['learned_threads']} {r['state']} "
+                             f"{r.get('verified_passes', 0)}"
+            for r in report.get("ranges", ())}
+
+
 class Server:
     def __init__(self, model: str, args: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", "vllm_srun.server", "serve", model, *args,

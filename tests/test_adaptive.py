@@ -202,6 +202,49 @@ def test_shadows_stay_within_their_time_budget(backends, tmp_path):
     assert tuner.step() and tuner.comparisons == 1
 
 
+def test_a_shadow_frozen_or_waiting_for_cpus_charges_only_the_time_it_ran(backends, tmp_path):
+    """The shadow budget is CPU the shadow side takes: a shadow frozen (SIGSTOP) while served
+    forwards ran, or waiting for CPUs other tasks held, took none of it then. Charged its wall
+    time, one held frozen through bursts of load spent the budget for minutes (a real mode 2
+    server: no window shadow passed in 2 minutes, 0.68x fixed 2 at 16 connections)."""
+    from vllm_srun.runtime.types import ForwardResult
+
+    now = [0.0]
+    runner, tuner = start(backends["onnxruntime"], None, AdaptiveMode.LEARN, 1, (1, 2),
+                          replace(FAST, background=False, budget_fraction=0.5))
+    runner.stop()
+    tuner.clock = lambda: now[0]
+    tuner._started = 0.0
+    frozen = []
+    tuner._pause_raw = lambda f: frozen.append(f) or f  # the shadow side: frozen, thawed
+    tuner.pause_shadows = tuner._pause
+    real = tuner.shadow_forward
+
+    def shadow(batch, n):  # runs 0.2 s, 5 s frozen between, and waits 0.4 s per thread
+        result = real(batch, n)
+        now[0] += 0.1
+        with tuner.lock:
+            tuner.pause_shadows(True)
+        now[0] += 5.0
+        with tuner.lock:
+            tuner.pause_shadows(False)
+        now[0] += 0.1 + 0.4
+        return ForwardResult(result.outputs, n, n, 5.6, 0.4 * n)
+
+    tuner.shadow_forward = shadow
+    batch = pad([row(30)])
+    tuner.observe(batch, tuner.forward(batch, 1))
+    assert tuner.step() and frozen == [True, False]
+    assert tuner.shadow_wall_s == pytest.approx(5.6)
+    assert tuner._shadow_s == pytest.approx(0.2)  # what it ran, under 0.5 of the 5.6 s
+    report = build(from_tuner(tuner))["learning"]
+    assert report["shadow_seconds"] == pytest.approx(0.2)
+    assert report["shadow_wall_seconds"] == pytest.approx(5.6)
+    assert report["shadow_budget_seconds"] == pytest.approx(2.8)
+    tuner.observe(batch, tuner.forward(pad([row(30, 1)]), 1))
+    assert tuner.step()  # wall time alone (5.6 s of 5.6) would have stopped it
+
+
 def test_mkl_cbwr_makes_torch_exact_and_learning_proceeds_or_the_drift_is_seen(tmp_path):
     """R4.7: with MKL_CBWR=AUTO torch is exact across counts on the AMD hosts of FACTS.md, and
     learning proceeds; where the CPU still drifts, the tuner retires learning on it."""

@@ -209,7 +209,9 @@ class AdaptiveThreads:
         self.settings = settings or TunerSettings()
         self.clock = clock
         self.on_close = on_close
-        self.pause_shadows = pause_shadows  # freezes (True) and thaws; says if it is frozen
+        # freezes (True) and thaws; says if it is frozen (``_pause``: how long it was)
+        self._pause_raw = pause_shadows
+        self.pause_shadows = self._pause if pause_shadows is not None else None
         # cumulative CPU seconds other tasks left this worker (``FreeCpus``), or None
         self.free_cpu_s = free_cpu_s
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
@@ -283,7 +285,14 @@ class AdaptiveThreads:
         self._free_at: dict[int, float] = {}  # count -> when a window last left its cores free
         self._unseen_at = -1e9  # when a read followed a stretch no window covered (a pause)
         self.samples_cores_busy = 0  # served samples not kept: other tasks held their cores
+        # shadow time charged to ``budget_fraction``: a shadow's wall time less what it spent
+        # frozen (``_frozen_s``, ``_frozen_at``: SIGSTOP) or waiting for CPUs (its threads'
+        # run delay, per thread): a shadow frozen through a burst of load took no CPU, and
+        # charged its wall time, one held frozen through 16-connection bursts spent the
+        # budget for minutes (mode 2: no window shadow for 2 minutes, served 0.68x fixed 2)
         self._shadow_s = 0.0
+        self.shadow_wall_s = 0.0  # ... and what they took in wall time
+        self._frozen_s, self._frozen_at = 0.0, None  # frozen so far; since when, if frozen
         self._started = clock()
         self._last_flush = clock()
         self._dirty_samples: dict[tuple[int, int], list[float]] = {}
@@ -485,6 +494,20 @@ class AdaptiveThreads:
             self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
                                       self._shadow_epoch, contention, sampling)
             return n
+
+    def _pause(self, frozen: bool) -> bool:
+        """``pause_shadows``, keeping the time the shadow side spent frozen."""
+        now, is_frozen = self.clock(), self._pause_raw(frozen)
+        if is_frozen and self._frozen_at is None:
+            self._frozen_at = now
+        elif not is_frozen and self._frozen_at is not None:
+            self._frozen_s += now - self._frozen_at
+            self._frozen_at = None
+        return is_frozen
+
+    def _frozen_total(self, now: float) -> float:
+        """Seconds the shadow side has spent frozen, up to ``now``."""
+        return self._frozen_s + (now - self._frozen_at if self._frozen_at is not None else 0.0)
 
     def _thaw(self) -> None:
         """The last served forward that froze the shadow side ended: thaw it, or, with the
@@ -803,10 +826,15 @@ class AdaptiveThreads:
             lo, job, count, sharing = due
             epoch = self._epoch
             self._shadow_gated = sharing
-        began = self.clock()
+            began = self.clock()
+            frozen_before = self._frozen_total(began)
         result = self.run_shadow(job.batch, count)
         with self.lock:
-            self._shadow_s += self.clock() - began  # wall time, whatever the forward reports
+            now = self.clock()
+            wall = now - began
+            waited = (result.waited_s or 0.0) / max(1, count)
+            self.shadow_wall_s += wall
+            self._shadow_s += max(0.0, wall - (self._frozen_total(now) - frozen_before) - waited)
             clean, before = clean_window(0, epoch, self._epoch), self.preempted
             if not clean:
                 self.discarded += 1

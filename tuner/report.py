@@ -54,7 +54,13 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "contention_probes": t.contention_probes,
                            "contentions_ended_by_free_cores": t.contention_freed,
                            "forwards_slow_with_cores_free": t.slow_cores_free,
-                           "slowdown_now": slowdown})
+                           "slowdown_now": slowdown,
+                           # shadow time against its budget (``budget_fraction`` of the
+                           # time since learning began): over it, no shadow starts
+                           "shadow_seconds": round(t._shadow_s, 3),
+                           "shadow_wall_seconds": round(t.shadow_wall_s, 3),
+                           "shadow_budget_seconds": round(
+                               t.settings.budget_fraction * (t.clock() - t._started), 3)})
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
