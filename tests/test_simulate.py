@@ -343,3 +343,58 @@ def test_a_range_that_explores_for_long_beside_a_toggling_neighbour_keeps_no_slo
     assert r.learned == 2 and len(r.samples[2]) >= 40
     slowed = [ms for ms in r.samples[2] if ms > 1.3 * model.forward_ms(64, 2, 2)]
     assert len(slowed) <= 3, (slowed, r.samples[2])
+
+
+def bursts(seed: int, bursts: int = 12, burst_s: float = 4.0, pause_s: float = 1.0,
+           every_s: float = 0.02, size: int = 512) -> list[Arrival]:
+    """Closed-loop-like bursts: a forward of ``size`` padded tokens every ``every_s`` (more
+    than a worker serves: a queue builds), ``burst_s`` on, ``pause_s`` off."""
+    rng = np.random.default_rng(seed)
+    out, t = [], 0.0
+    for _ in range(bursts):
+        end = t + burst_s
+        while t < end:
+            out.append(Arrival(t, size))
+            t += every_s * float(rng.uniform(0.5, 1.5))
+        t = end + pause_s
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_under_bursts_a_learned_range_passes_its_window_in_the_first_lull(seed):
+    """R4.6: 4 cores, 512 padded tokens in 4-s bursts just past what 2 threads serve (a queue
+    builds: few gaps), 1-s lulls; the range learns 4 threads in the first burst. Each newer
+    batch used to replace the last before its comparison ran, so a lull passed about one
+    window comparison: serving 2 threads (1.3x slower) for two more bursts. The batches it
+    replaced wait in a backlog, and the first lull after learning passes the whole window."""
+
+    def learned_and_serving(backlog: bool) -> tuple[float, float]:
+        host = SimulatedHost(TimeModel(4), seed=seed)
+        tuner, update, serve = host.tuner, host.tuner._update, host.tuner._maybe_serve
+        if not backlog:  # as before: every newer batch replaced the last
+            tuner._backlog_job = lambda lo, r, old, new: None
+        learned_at, serving_at = [], []
+
+        def spy_update(lo, r):  # the real methods, watched
+            update(lo, r)
+            if not learned_at and tuner.ranges[lo].learned is not None:
+                learned_at.append(host.now_s)
+
+        def spy_serve(lo, r):
+            was = r.serving
+            serve(lo, r)
+            if r.serving and not was:
+                serving_at.append(host.now_s)
+
+        tuner._update, tuner._maybe_serve = spy_update, spy_serve
+        host.run(bursts(seed, every_s=0.04))
+        r = tuner.ranges[512]
+        assert r.learned == 4 and r.serving and r.relearns == 0, r
+        return learned_at[0], serving_at[0]
+
+    learned, serving = learned_and_serving(backlog=True)
+    lull_ends = next(t + 5.0 for t in np.arange(0, 60, 5.0) if t + 4.0 >= learned)
+    before = learned_and_serving(backlog=False)
+    print(f"learned at {learned:.1f} s, serving from {serving:.1f} s; without the backlog "
+          f"{before[1]:.1f} s")
+    assert serving <= lull_ends and before[1] > lull_ends  # measured: 4.7-4.9 s; 14.6-15.6 s

@@ -22,7 +22,9 @@ client's turnaround, such shadows wait for the load to pause instead of being st
 and thrown away.
 Comparisons (mode 2's window, audits of what exploring served) run whenever no served forward
 does, unfrozen; audits of a range serving its learned count wait for a gap too, but run at
-least every ``audit_floor_s``.
+least every ``audit_floor_s``. A newer batch of a range replaces its older one, except that
+batches whose comparison counts toward mode 2's window wait in a backlog of up to ``window``
+(``_backlog_job``): under bursts of load the first lull passes the whole window.
 
 Served forwards are samples too: while a range explores, each of its served forwards is timed
 at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
@@ -226,6 +228,9 @@ class AdaptiveThreads:
         self.uncovered = 0  # forwards kept at the configured count: the voucher lacks the shape
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self._jobs: dict[int, _Job] = {}
+        # range -> older batches whose comparison would count toward mode 2's transition
+        # window, newest last (``_backlog_job``): they run once the range's job is done
+        self._backlog: dict[int, deque[_Job]] = {}
         self._busy = 0  # served forwards running now
         self._epoch = 0  # served forwards started plus ended
         self._shadowing = 0  # shadow forwards running now
@@ -597,6 +602,7 @@ class AdaptiveThreads:
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
                                             passed=r.passed)
             self._jobs.pop(lo, None)
+            self._backlog.pop(lo, None)
             return self.configured, None
         freed = self._freed(now, r)
         if freed:  # the slow times at ``big`` were the neighbour's: forget them
@@ -799,11 +805,48 @@ class AdaptiveThreads:
                     n for n in counts if n != self.configured])
             if counts:
                 # the newest batch of a range goes to the back
-                self.replaced += self._jobs.pop(lo, None) is not None
-                self._jobs[lo] = _Job(batch, result.outputs, result.num_threads, counts,
-                                      result.forward_s)
+                job = _Job(batch, result.outputs, result.num_threads, counts, result.forward_s)
+                if (old := self._jobs.pop(lo, None)) is not None:
+                    self._backlog_job(lo, r, old, job)
+                self._jobs[lo] = job
                 self._waiting_gap = False
                 self.lock.notify_all()
+
+    def _toward_window(self, r: RangeLearning, job: _Job) -> bool:
+        """Mode 2, vouched, a range not serving a learned count: ``job``'s one comparison
+        would count toward its transition window (R4.6): the learned count on a batch served
+        at the configured one, or the configured count auditing a batch exploring served at
+        another (passes made while exploring count once it is learned)."""
+        return (self.mode is AdaptiveMode.SERVE and self.voucher.vouches and not r.serving
+                and len(job.counts) == 1
+                and (r.learned is not None or job.served_threads != self.configured)
+                and (job.counts[0] == self.configured) != (job.served_threads == self.configured))
+
+    def _backlog_job(self, lo: int, r: RangeLearning, old: _Job, new: _Job) -> None:
+        """A newer batch of range ``lo`` replaced ``old`` before its shadows ran. Where both
+        would count toward the range's window, ``old`` waits in the backlog (at most
+        ``window`` of them), so the next quiet moment passes the whole window instead of one
+        comparison: under bursts of load every batch replaced the last, one pass ran per
+        lull, and ranges that 16 connections reached passed their window only after a
+        minute or more, serving the configured count meanwhile (0.88x fixed 2 in the first
+        10 s of 16 connections after learning, the real host). Else it is dropped."""
+        if not (self._toward_window(r, old) and self._toward_window(r, new)):
+            self.replaced += 1
+            return
+        backlog = self._backlog.setdefault(lo, deque(maxlen=self.settings.window))
+        self.replaced += len(backlog) == backlog.maxlen  # the oldest gives way
+        backlog.append(old)
+
+    def _next_from_backlog(self, lo: int) -> None:
+        """Range ``lo`` has no job: its newest backlogged batch that still counts toward its
+        window becomes it; none: the backlog goes."""
+        backlog, r = self._backlog.get(lo), self.ranges.get(lo)
+        while backlog:
+            job = backlog.pop()
+            if job.counts and r is not None and self._toward_window(r, job):
+                self._jobs[lo] = job  # (a job that ran as it was backlogged has no count)
+                return
+        self._backlog.pop(lo, None)
 
     # -- shadows ---------------------------------------------------------------------------
     def pending_shadows(self) -> int:
@@ -981,6 +1024,8 @@ class AdaptiveThreads:
             r.streak += 1  # served at one, shadowed at the other: they agreed
             self._dirty_learned.add(lo)
         self._maybe_serve(lo, r)
+        if lo not in self._jobs and lo in self._backlog:
+            self._next_from_backlog(lo)
 
     def _need(self, r: RangeLearning) -> list[int]:
         """Counts an exploring range still lacks ``min_samples`` of."""
@@ -1021,6 +1066,7 @@ class AdaptiveThreads:
                 and r.streak >= self.settings.window
                 and self.voucher.covers_counts(r.learned, self.configured)):
             r.serving, r.keep_serving, r.passed = True, None, r.passed | {r.learned}
+            self._backlog.pop(lo, None)
             log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
                      lo, 2 * lo - 1, r.learned, r.streak)
 
@@ -1051,6 +1097,7 @@ class AdaptiveThreads:
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
                                             keep_serving=keep, passed=r.passed)
             self._jobs.pop(lo, None)
+            self._backlog.pop(lo, None)
 
     def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:
         at = tuple(int(i) for i in np.argwhere(
@@ -1073,6 +1120,7 @@ class AdaptiveThreads:
         for r in self.ranges.values():
             r.serving, r.keep_serving = False, None
         self._jobs.clear()
+        self._backlog.clear()
 
 
 class Thawer:
