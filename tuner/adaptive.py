@@ -294,7 +294,8 @@ class AdaptiveThreads:
         # frozen (``_frozen_s``, ``_frozen_at``: SIGSTOP) or waiting for CPUs (its threads'
         # run delay, per thread): a shadow frozen through a burst of load took no CPU, and
         # charged its wall time, one held frozen through 16-connection bursts spent the
-        # budget for minutes (mode 2: no window shadow for 2 minutes, served 0.68x fixed 2)
+        # budget for minutes (mode 2: 0-1 window passes per range in 2 minutes, 0.68x
+        # fixed 2 at 16 connections)
         self._shadow_s = 0.0
         self.shadow_wall_s = 0.0  # ... and what they took in wall time
         self._frozen_s, self._frozen_at = 0.0, None  # frozen so far; since when, if frozen
