@@ -602,8 +602,7 @@ class AdaptiveThreads:
                      now - r.contended_since)
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
                                             passed=r.passed)
-            self._jobs.pop(lo, None)
-            self._backlog.pop(lo, None)
+            self._forget_jobs(lo)
             return self.configured, None
         freed = self._freed(now, r)
         if freed:  # the slow times at ``big`` were the neighbour's: forget them
@@ -813,6 +812,11 @@ class AdaptiveThreads:
                 self._waiting_gap = False
                 self.lock.notify_all()
 
+    def shadow_budget_s(self) -> float:
+        """Shadow time allowed so far: ``budget_fraction`` of the time since learning
+        began (``_shadow_s``, what shadows ran, may not pass it)."""
+        return self.settings.budget_fraction * (self.clock() - self._started)
+
     def _toward_window(self, r: RangeLearning, job: _Job) -> bool:
         """Mode 2, vouched, a range not serving a learned count: ``job``'s one comparison
         would count toward its transition window (R4.6): the learned count on a batch served
@@ -838,6 +842,11 @@ class AdaptiveThreads:
         self.replaced += len(backlog) == backlog.maxlen  # the oldest gives way
         backlog.append(old)
 
+    def _forget_jobs(self, lo: int) -> None:
+        """Range ``lo`` explores again: its due shadows and backlog go."""
+        self._jobs.pop(lo, None)
+        self._backlog.pop(lo, None)
+
     def _next_from_backlog(self, lo: int) -> None:
         """Range ``lo`` has no job: its newest backlogged batch that still counts toward its
         window becomes it; none: the backlog goes."""
@@ -860,8 +869,7 @@ class AdaptiveThreads:
         time budget."""
         with self.lock:
             if self.locked_reason is not None or self.retired is not None or not self._jobs \
-                    or self._busy or self._shadow_s > self.settings.budget_fraction * (
-                        self.clock() - self._started):
+                    or self._busy or self._shadow_s > self.shadow_budget_s():
                 return False
             due = self._next_shadow()
             self._waiting_gap = due is None
@@ -1097,8 +1105,7 @@ class AdaptiveThreads:
             keep = r.learned if r.serving and key[1] == "shadow" else None  # not if it slowed
             self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
                                             keep_serving=keep, passed=r.passed)
-            self._jobs.pop(lo, None)
-            self._backlog.pop(lo, None)
+            self._forget_jobs(lo)
 
     def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:
         at = tuple(int(i) for i in np.argwhere(

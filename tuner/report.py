@@ -59,8 +59,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            # time since learning began): over it, no shadow starts
                            "shadow_seconds": round(t._shadow_s, 3),
                            "shadow_wall_seconds": round(t.shadow_wall_s, 3),
-                           "shadow_budget_seconds": round(
-                               t.settings.budget_fraction * (t.clock() - t._started), 3)})
+                           "shadow_budget_seconds": round(t.shadow_budget_s(), 3)})
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
