@@ -364,23 +364,26 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
         # measured with probes: 1 thread served 10-51 of these 60 (the kernel at times
         # gives the 2 threads both cores for a while; a probe then ends it until 3 forwards
         # show it again)
-        if not free_cpus and not (tuner.contended >= 8 and beside.count(1) >= 8):
+        gave_way = tuner.contended >= 8 and beside.count(1) >= 8
+        faster = True  # 1 thread beside the neighbour faster than 2 (it is, where read)
+        if not free_cpus and not gave_way:
             # probes decide by speed alone: where the host (CI once) ran 1 thread beside the
-            # neighbour as slow per token as 2, staying at 2 was right, and this host cannot
-            # show giving way; timed here, beside the neighbour, side by side
+            # neighbour as slow per token as 2, staying at 2 was right; timed here, beside
+            # the neighbour, side by side, and then only the rest is asserted (no relearn,
+            # 2 threads once it leaves)
             one, two = beside_times(backend, salt)
-            if two < 1.25 * one:
-                pytest.skip(f"beside the neighbour 1 thread took {one * 1e3:.1f} ms, 2 threads "
-                            f"{two * 1e3:.1f} ms: 1 thread not faster, nothing to give way to")
-        assert tuner.contended >= 8 and beside.count(1) >= 8, (
-            tuner.contended, beside, tuner.ranges[lo].baselines,
-            {n: list(v) for n, v in tuner._slowdowns.items()})
+            faster = two >= 1.25 * one
+            print(f"beside the neighbour 1 thread took {one * 1e3:.1f} ms, 2 threads "
+                  f"{two * 1e3:.1f} ms")
+        if faster:
+            assert gave_way, (tuner.contended, beside, tuner.ranges[lo].baselines,
+                              {n: list(v) for n, v in tuner._slowdowns.items()})
         print("beside", beside, tuner.contended, tuner.contention_probes)
         if free_cpus:  # the neighbour holds its core: nothing ends it, nothing probes
             # (measured: 1 thread from the 5th-22nd of these forwards on, every one after)
             assert tuner.contention_probes == 0 and tuner.contention_freed == 0
             assert beside[beside.index(1):].count(2) <= 2, beside
-        else:
+        elif faster:
             assert tuner.contention_probes >= 1
         neighbour.kill()
         neighbour.wait(10)
