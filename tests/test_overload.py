@@ -10,6 +10,7 @@ import socket
 import threading
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import Server, cpu_deployment, wait_until, write_config
@@ -72,11 +73,61 @@ def test_a_full_pool_refuses_at_once_with_retry_after(full):
     assert server.client.get("/health").status_code == 200  # probes still answered
 
 
-def test_pipelined_refusals_come_back_in_order_on_one_connection(full):
+def answers(url: str, payload: bytes, n: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """Send ``payload`` in one write (so the server parses every request of it before it
+    answers any) and read ``n`` answers off the connection, in order: (status, headers,
+    body)."""
+    host, port = url.removeprefix("http://").split(":")
+    got, buf = [], b""
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(payload)
+        while len(got) < n:
+            head, sep, rest = buf.partition(b"\r\n\r\n")
+            if sep:
+                status_line, *lines = head.decode("latin-1").split("\r\n")
+                headers = {k.lower(): v for k, v in (x.split(": ", 1) for x in lines)}
+                length = int(headers["content-length"])
+                if len(rest) >= length:
+                    got.append((int(status_line.split()[1]), headers, rest[:length]))
+                    buf = rest[length:]
+                    continue
+            data = s.recv(65536)
+            assert data, f"connection closed after {len(got)} answers: {got} {buf!r}"
+            buf += data
+    return got
+
+
+# the two 429s differ: the protocol's prebuilt one (an idle connection) and the pool's (a
+# request the protocol let through because an earlier one was still being answered)
+PREBUILT = ("overloaded", "every ready replica has 32 requests in flight")
+FROM_POOL = ("overloaded", "deployment 'primary': every ready replica has 32 requests in flight")
+UNAUTHORIZED = ("unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                "(see --api-key / VLLM_SRUN_API_KEY)")
+
+
+def summary(answer: tuple[int, dict[str, str], bytes]) -> tuple[int, tuple[str, str] | None]:
+    status, _headers, body = answer
+    error = orjson.loads(body).get("error")
+    return status, (error["code"], error["message"]) if error else None
+
+
+def test_pipelined_answers_come_back_in_request_order(full):
+    """R5.3 and HTTP/1.1 pipelining: a refusal is written only while no earlier request of the
+    connection is still being answered. Behind a request the app answers (inventory, or a
+    401), a POST goes through the app and gets the pool's 429, after the earlier answer; on an
+    idle connection it gets the prebuilt 429 at once."""
     server, _ = full
-    answer = raw(server.url, request(KEY) * 3)
-    assert answer.count(b"HTTP/1.1 429 Too Many Requests") == 3
-    assert b"connection: close" not in answer
+    inventory = f"GET /v1/inventory HTTP/1.1\r\nhost: t\r\nauthorization: Bearer {KEY}\r\n\r\n"
+    first = answers(server.url, inventory.encode() + request(KEY), 2)
+    assert [summary(a) for a in first] == [(200, None), (429, FROM_POOL)]
+    assert orjson.loads(first[0][2])["deployments"][0]["replicas"][0]["in_flight"] == 32
+
+    second = answers(server.url, request(KEY) + request(None) + request(KEY), 3)
+    assert [summary(a) for a in second] == [(429, PREBUILT), (401, UNAUTHORIZED),
+                                            (429, FROM_POOL)]
+    for _status, headers, _body in (first[1], *second):
+        assert "connection" not in headers  # kept alive throughout
+    assert [h.get("retry-after") for _s, h, _b in second] == ["1", None, "1"]
 
 
 def test_an_http_1_0_caller_is_refused_and_the_connection_closed(full):
