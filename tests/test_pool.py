@@ -14,6 +14,7 @@ import socket
 import stat
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,14 @@ import orjson
 import pytest
 
 from tests.conftest import L6, Server, cpu_deployment, poll, write_config
+from vllm_srun.runtime.types import Task
+from vllm_srun.server.pool import deployment_pool
+from vllm_srun.server.pool.config import DeploymentConfig, EngineConfig
+from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
+from vllm_srun.server.pool.errors import ExchangeError
+from vllm_srun.server.pool.outlier import Outcome, OutlierPolicy, OutlierSettings
+from vllm_srun.server.pool.replicas import AttachedReplica, LoadAccount
+from vllm_srun.server.pool.states import ReplicaState
 
 ALL_OK_FRACTION = 0.99
 
@@ -182,6 +191,127 @@ def test_a_flood_of_tiny_caller_deadlines_causes_no_backoff(three):
             assert len(out) <= 1, e
         elif e["event"] == "replica_readmitted":
             out.discard(e["replica"])
+
+
+# -- how one deployment classifies a deadline, over a real exchange (R5.5, R5.6) -------------
+
+class Silent:
+    """A loopback HTTP endpoint that accepts and reads but never answers (a hung replica);
+    ``connections`` counts the exchanges that reached it."""
+
+    async def __aenter__(self) -> Silent:
+        self.connections, self.writers = 0, []
+        self.server = await asyncio.start_server(self._hold, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def _hold(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.writers.append(writer)
+        await reader.read()  # until the pool gives up on the exchange (or the test ends)
+
+    async def __aexit__(self, *_exc) -> None:
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await asyncio.sleep(0)  # the handlers see their connections closed
+
+
+class OneReplica:
+    """A deployment of one attached replica (real httpx transport) on ``url``, with the
+    outcomes it counted and the policy's events."""
+
+    def __init__(self, url: str, timeout_ms: int) -> None:
+        self.outcomes: list[str] = []
+        self.events: list = []
+        replica = AttachedReplica("r0", url, LoadAccount(url), {}, lambda *_a: None,
+                                  endpoint=url, model="m")
+        replica.state = ReplicaState.READY
+        policy = OutlierPolicy(OutlierSettings(), time.monotonic, self.events.append)
+        policy.add("r0")
+        config = DeploymentConfig(artifact="m", endpoint=url, model="m",
+                                  engine=EngineConfig(timeout_ms=timeout_ms))
+        self.replica = replica
+        info = ModelInfo("m", "m", Task.EMBED, None, (), None, None)
+        self.pool = DeploymentPool("d", config, info, [replica], policy, lambda: 0,
+                                   lambda _d, _r, outcome: self.outcomes.append(outcome))
+
+    async def infer(self, caller_deadline_s: float | None):
+        """One request with the caller's deadline ``caller_deadline_s`` from now; the
+        ExchangeError it ends with."""
+        deadline = None if caller_deadline_s is None else time.monotonic() + caller_deadline_s
+        with pytest.raises(ExchangeError) as exc:
+            await self.pool.infer(["x"], True, deadline)
+        return exc.value
+
+    def inventory(self) -> dict:
+        (replica,) = self.pool.inventory(bound=True)["replicas"]
+        return replica
+
+    def backoffs(self) -> list[str]:
+        return [e.reason for e in self.events if e.kind == "replica_backoff"]
+
+
+def test_a_caller_deadline_shorter_than_timeout_ms_counts_but_backs_off_nothing():
+    """R5.5: past the caller's own shorter deadline the exchange is a ``deadline``: it counts
+    toward consecutive_timeouts, the replica stays in dispatch."""
+    async def main():
+        async with Silent() as endpoint:
+            dep = OneReplica(endpoint.url, timeout_ms=10_000)
+            err = await dep.infer(0.3)
+            assert (err.code, endpoint.connections) == ("deadline_exceeded", 1)
+            assert dep.outcomes == ["deadline"] and dep.backoffs() == []
+            assert dep.inventory()["consecutive_timeouts"] == 1
+            assert dep.inventory()["state"] == "ready" and dep.inventory()["in_flight"] == 0
+            await dep.replica.stop()
+    asyncio.run(main())
+
+
+def test_past_timeout_ms_before_a_longer_caller_deadline_is_a_timeout_with_backoff():
+    """R5.5: the deployment's timeout_ms ends the exchange first (the caller would wait 30 s):
+    a ``timeout``, which counts and takes the replica out of dispatch for a backoff."""
+    async def main():
+        async with Silent() as endpoint:
+            dep = OneReplica(endpoint.url, timeout_ms=300)
+            for caller in (30.0, None):  # a longer caller deadline, and none at all
+                err = await dep.infer(caller)
+                assert err.code == "deadline_exceeded"
+            assert dep.outcomes == ["timeout", "timeout"] and endpoint.connections == 2
+            assert [r.split(":")[0] for r in dep.backoffs()] == ["timeout", "timeout"]
+            assert dep.inventory()["consecutive_timeouts"] == 2
+            assert dep.inventory()["state"] == "backoff"
+            await dep.replica.stop()
+    asyncio.run(main())
+
+
+def test_a_request_whose_deadline_passed_before_dispatch_is_no_exchange(monkeypatch):
+    """R5.5, R5.6: a request whose deadline passed before it reached the replica neither
+    counts nor resets consecutive_timeouts, and nothing is sent. Twice: passed before the
+    pool dispatches, and passed between the pool's dispatch and the send (the pool's clock
+    held 1 s behind the transport's, the one thing faked)."""
+    async def main():
+        async with Silent() as endpoint:
+            dep = OneReplica(endpoint.url, timeout_ms=10_000)
+            await dep.infer(0.3)  # one exchange past the caller's deadline: the count is 1
+            assert dep.inventory()["consecutive_timeouts"] == 1 and dep.outcomes == ["deadline"]
+
+            err = await dep.infer(-0.001)
+            assert err.outcome is Outcome.NOT_SENT and err.code == "deadline_exceeded"
+            assert dep.outcomes == ["deadline"]  # no exchange: not even counted as one
+            assert endpoint.connections == 1 and dep.backoffs() == []
+            assert dep.inventory()["consecutive_timeouts"] == 1  # neither counted nor reset
+            assert dep.inventory()["in_flight"] == 0
+
+            behind = time.monotonic
+            monkeypatch.setattr(deployment_pool, "time", types.SimpleNamespace(
+                monotonic=lambda: behind() - 1.0))
+            err = await dep.infer(-0.001)  # the pool dispatches; the transport sends nothing
+            assert err.outcome is Outcome.NOT_SENT and err.replica_id == "r0"
+            assert endpoint.connections == 1 and dep.backoffs() == []
+            assert dep.inventory()["consecutive_timeouts"] == 1
+            assert dep.inventory()["in_flight"] == 0 and dep.inventory()["state"] == "ready"
+            await dep.replica.stop()
+    asyncio.run(main())
 
 
 def test_sigkill_mid_request_fails_promptly_and_the_worker_restarts(three):
