@@ -147,17 +147,27 @@ def test_cache_keys_are_digests_of_truncate_and_input():
     assert cache_key(False, ("a", "b")) != cache_key(False, "ab")
 
 
-def test_cache_is_bounded_in_bytes_as_well_as_entries():
+def test_cache_is_an_lru_bounded_in_bytes_as_well_as_entries():
     import numpy as np
 
     from vllm_srun.runtime.cache import ResultCache, cache_key
 
     row = np.zeros(1000, dtype=np.float32)  # 4,000 bytes an answer
     cache = ResultCache(max_entries=100, max_bytes=3 * (row.nbytes + 200))
-    for i in range(5):
+    for i in range(3):
+        cache.put(cache_key(False, str(i)), row, 1)
+    assert cache.get(cache_key(False, "0")) is not None  # the oldest, now the most recent
+    for i in (3, 4):
         cache.put(cache_key(False, str(i)), row, 1)
     assert len(cache) == 3 and cache.bytes <= cache.max_bytes
-    assert cache.get(cache_key(False, "0")) is None  # least recently used went first
-    assert cache.get(cache_key(False, "4")) is not None
+    # least recently used went first (1, 2), not the oldest put (0: first in, first out)
+    assert [i for i in range(5) if cache.get(cache_key(False, str(i))) is not None] == [0, 3, 4]
     cache.put(cache_key(False, "huge"), np.zeros(10_000, dtype=np.float32), 1)
     assert cache.get(cache_key(False, "huge")) is None and len(cache) == 3  # never fits
+    by_entries = ResultCache(max_entries=2)
+    for key in ("a", "b"):
+        by_entries.put(cache_key(False, key), row, 1)
+    assert by_entries.get(cache_key(False, "a")) is not None
+    by_entries.put(cache_key(False, "c"), row, 1)
+    assert by_entries.get(cache_key(False, "b")) is None  # "a" was used since: it stays
+    assert by_entries.get(cache_key(False, "a")) is not None and len(by_entries) == 2
