@@ -176,7 +176,7 @@ def test_yaml_bombs_and_binary_config_files_are_refused(tmp_path):
 
 # -- API key -------------------------------------------------------------------------------
 
-def test_api_key_protects_inference_and_inventory_in_constant_time():
+def test_api_key_protects_inference_and_inventory():
     key = "s3cret-key-for-tests"
     server = Server(L3, "--threads", "1", env={"VLLM_SRUN_API_KEY": key}).wait_ready()
     try:
@@ -201,11 +201,9 @@ def test_api_key_protects_inference_and_inventory_in_constant_time():
         assert len(client.embeddings.create(model=L3, input=["hi"]).data) == 1
     finally:
         server.close()
-    import inspect
-
-    from vllm_srun.server.frontend import auth
-
-    assert "hmac.compare_digest" in inspect.getsource(auth.RequireApiKey)
+    # Constant time is not tested: the key is compared with hmac.compare_digest
+    # (server/frontend/auth.py), which only a timing measurement could show, and timed tests
+    # are not allowed; a grep of the source for it guarded a spelling, not the property.
 
 
 @pytest.mark.parametrize("value", ["short", "has space inside", "tab\there-long"])
