@@ -37,23 +37,43 @@ def backends():
     return {name: load_backend(M, name) for name in ("onnxruntime", "torch")}
 
 
+def first_drifting_length(backend, lengths=range(2, 65)) -> int | None:
+    """The first one-row length n whose row(n) differs in any bit between 1 and 2 threads,
+    measured here as tests/test_voucher.py measures: which lengths drift is the host's MKL
+    (FACTS.md: 5-11 on the AMD hosts, 4-12 and 64 on the Xeon), not a law."""
+    context = ThreadContext()
+    try:
+        for n in lengths:
+            batch = pad([row(n)])
+            a, b = (context.run(k, lambda k=k, x=batch: backend.forward(x, k)).outputs
+                    for k in (1, 2))
+            if not np.array_equal(output_bits(a), output_bits(b)):
+                return n
+    finally:
+        context.shutdown()
+    return None
+
+
 def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backends, tmp_path):
+    drifting = first_drifting_length(backends["torch"])
+    if drifting is None:
+        pytest.skip("torch does not drift between 1 and 2 threads here at one row of 2-64 tokens")
     record = HostRecord(tmp_path / "r.sqlite")
     runner, tuner = start(backends["torch"], record, AdaptiveMode.LEARN, 2, (1, 2))
     try:
         assert runner.ready
-        runner.engine.submit([row(7)]).result(timeout=60)
+        runner.engine.submit([row(drifting)]).result(timeout=60)
         assert wait_for(lambda: tuner.retired is not None)
         # served counts fall back first; the durable write follows on the shadow's thread
         event = wait_for(lambda: record.drift(tuner.scope))
-        assert event is not None and event.padded_tokens == 7
+        assert event is not None and event.padded_tokens == drifting
         assert (event.served_threads, event.shadow_threads) == (2, 1)
         assert event.served_value != event.shadow_value
         # served answers stay at the configured count
         runner.engine.submit([row(40)]).result(timeout=60)
         assert {r.num_threads for r in runner.served} == {2}
         report = build(from_tuner(tuner))
-        assert report["drift"]["padded_tokens"] == 7
+        assert report["drift"]["padded_tokens"] == drifting
         assert all(r["state"] == RangeState.RETIRED for r in report["ranges"])
         assert any("--mkl-cbwr" in n for n in report["notes"])
     finally:
