@@ -30,6 +30,32 @@ L6 = "all-MiniLM-L6-v2"
 L3 = "paraphrase-MiniLM-L3-v2"
 
 
+# -- skips CI must not take -----------------------------------------------------------------
+# A test marked required_in_ci may skip on a developer's machine (say, without wrk), saying
+# why (addopts has -rs); where the environment variable CI is set (CI runs with CI=true), such
+# a skip is a failure, so a test CI is meant to run can never quietly stop running there.
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "required_in_ci: skipping it fails the run where "
+                                       "the environment variable CI is set")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and in_ci() \
+            and item.get_closest_marker("required_in_ci") is not None:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        reason = str(reason).removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = f"required in CI (CI={os.environ['CI']}) but skipped: {reason}"
+    return report
+
+
 def wait_until(predicate, timeout_s: float = 60, what: str = "condition"):
     """Poll ``predicate`` until it returns something truthy (returned); TimeoutError names
     ``what`` when it never does."""

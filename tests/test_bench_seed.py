@@ -1,8 +1,8 @@
 """bench.adaptive_wrk's common random numbers: wrk runs given one seed send the same requests
 (bodies, lengths, think times), so bench.adaptive_load's servers of a round see the same
 traffic and a paired ratio compares the servers. Real wrk against a real HTTP server on
-loopback that records the bodies; skipped where wrk is not installed (CI's fresh machine:
-the benchmarks install it)."""
+loopback that records the bodies; skipped, saying so, where wrk is not installed (CI installs
+it, and there a skip fails the run: required_in_ci)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 
 from bench.adaptive_wrk import lua, wrk
 
-pytestmark = pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
+pytestmark = [pytest.mark.required_in_ci,  # .ci/run installs wrk
+              pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")]
 
 
 def bodies(script: str, seed: int | None, n: int = 30) -> list[bytes]:

@@ -16,7 +16,8 @@ import pytest
 from tests.conftest import wait_until
 from vllm_srun.tuner.free_cpus import FreeCpus
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+pytestmark = [pytest.mark.required_in_ci,  # CI runs on Linux
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")]
 
 SPIN = [sys.executable, "-c", "while True: pass"]
 YIELDING = {  # a spinning process that yields to a normal one

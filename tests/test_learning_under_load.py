@@ -36,7 +36,8 @@ from vllm_srun.tuner.policy import preempted
 from vllm_srun.tuner.shadows import ShadowProcess
 from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
+pytestmark = [pytest.mark.required_in_ci,  # CI runs on Linux
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")]
 
 
 def proc_stat(pid: int) -> list[str]:

@@ -14,8 +14,9 @@ import pytest
 from tests.conftest import L6
 
 # found, not imported: importing ray at collection would load its libraries into every test
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="ray is not installed: pip install 'vllm-srun[ray]'")
+pytestmark = [pytest.mark.required_in_ci,  # .ci/run installs the ray extra
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="ray is not installed: pip install 'vllm-srun[ray]'")]
 
 RAY_KEY = "ray-app-secret-1"
 TEXTS = [f"ray request {i} " + "word " * (i % 30) for i in range(40)]

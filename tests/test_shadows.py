@@ -31,7 +31,8 @@ from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.shadows import idle_shadows, shadow_process
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE")
+pytestmark = [pytest.mark.required_in_ci,  # CI runs on Linux
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE")]
 
 
 def thread_policies(pid: int | None = None) -> dict[int, int]:
