@@ -189,6 +189,7 @@ def threads_summary(report: dict) -> str:
              f"{'yes' if v.get('vouches') else 'no'}, uncovered forwards "
              f"{report.get('uncovered_forwards', 0)}, drift "
              f"{'yes' if report.get('drift') else 'no'}"]
+    lines += [f"  state {report.get('state')}: {report.get('recommendation')}"]
     lines += [f"  note: {n}" for n in report.get("notes", [])]
     lines += [f"  {r['size_range']:>9}: served {r['served_threads']}, learned "
               f"{r['learned_threads']}, {r['state']}, samples "
@@ -231,7 +232,7 @@ class Server:
                            f"{line!r}): {tail}")
 
     def threads(self) -> dict:
-        return httpx.get(f"{self.url}/v1/threads", timeout=30).json()
+        return httpx.get(f"{self.url}/v1/threads", timeout=30).json()["reports"][0]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -251,7 +251,7 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> 
             per_level.update(round_trips(proc.url, 100 if duration_s < 5 else 1000))
             if "adaptive" in name:
                 threads = httpx.get(proc.url + "/v1/threads", timeout=10).json()
-                per_level["threads"] = threads["ranges"]
+                per_level["threads"] = threads["reports"][0]["ranges"]
             results[name] = per_level
         finally:
             proc.stop()

@@ -275,7 +275,7 @@ def test_server_with_a_full_disk_for_its_record_keeps_serving(tmp_path):
                 "input": f"request {i} " + "word " * (i % 40)}).status_code)
             time.sleep(0.01)  # pauses let shadows run and write
         assert statuses == [200] * 150
-        notes = " ".join(client.get("/v1/threads").json()["notes"])
+        notes = " ".join(client.get("/v1/threads").json()["reports"][0]["notes"])
         assert "host record not written" in notes and "full" in notes.lower()
     finally:
         proc.terminate()

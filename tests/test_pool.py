@@ -529,8 +529,9 @@ def test_seed_config_on_cpu_devices_serves_with_owner_only_sockets(tmp_path):
             sock = Path(cmdline[cmdline.index(b"--socket") + 1].decode())
             assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
             assert stat.S_IMODE(sock.stat().st_mode) & 0o077 == 0
-        threads = server.client.get("/v1/threads").json()["deployments"]["primary"]
-        assert {rep["configured_threads"] for rep in threads.values()} == {1}
+        threads = server.client.get("/v1/threads").json()["reports"]
+        assert [(rep["deployment"], rep["configured_threads"]) for rep in threads] == \
+            [("primary", 1), ("primary", 1)]
         body = server.client.post("/v1/embeddings", json={"input": ["a", "b"]}).json()
         assert len(body["data"]) == 2
     finally:

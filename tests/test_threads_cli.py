@@ -34,7 +34,7 @@ def test_verify_report_reset(tmp_path):
            "padded tokens: every shape (62)" in r.stdout
     assert "verify: 62/62 shapes, 62 comparisons, 0 mismatches" in r.stderr
     r = run_cli("threads", "report", "--record", record, "--json")
-    (rep,) = json.loads(r.stdout)
+    (rep,) = json.loads(r.stdout)["reports"]
     assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 62
     (cov,) = rep["voucher"]["coverage"]
     assert (cov["counts"], cov["max_rows"], cov["min_len"], cov["max_len"], cov["max_padded"],
@@ -46,10 +46,12 @@ def test_verify_report_reset(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = run_cli("threads", "reset", L3, "--record", record)
     assert r.returncode == 0 and "reset learning" in r.stdout and "vouchers retired" in r.stdout
-    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)
+    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
+        "reports"]
     assert not rep["voucher"]["vouches"] and rep["voucher"]["coverage"] == []
     assert run_cli(*verify).returncode == 0
-    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)
+    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
+        "reports"]
     assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 62
 
 
@@ -85,7 +87,7 @@ def test_threads_endpoint_in_mode_1(tmp_path):
             server.client.post("/v1/embeddings", json={"input": words(40) + f" {i}"})
             time.sleep(0.03)
             if i % 10 == 9:
-                rep = server.client.get("/v1/threads").json()
+                (rep,) = server.client.get("/v1/threads").json()["reports"]
                 (rng,) = [r for r in rep["ranges"] if r["size_range"] == "32-63"]
                 if rng["counts"]["2"]["samples"] or time.monotonic() > end:
                     break
@@ -97,8 +99,10 @@ def test_threads_endpoint_in_mode_1(tmp_path):
 
 
 def test_threads_endpoint_when_off(l6_server):
-    rep = l6_server.client.get("/v1/threads").json()
+    (rep,) = l6_server.client.get("/v1/threads").json()["reports"]
     assert rep["mode"] == 0 and rep["ranges"] == [] and "off" in rep["notes"][0]
+    assert rep["state"] == "locked" and "VLLM_SRUN_CPU_ADAPTIVE_THREADS=1" in \
+        rep["recommendation"]
 
 
 def test_golden_failure_keeps_the_worker_out_with_its_reason(tmp_path):
@@ -120,7 +124,8 @@ def test_golden_failure_keeps_the_worker_out_with_its_reason(tmp_path):
         assert health.status_code == 503 and "golden check failed" in health.text
         r = server.client.post("/v1/embeddings", json={"input": "x"})
         assert r.status_code == 503 and "golden" in r.json()["error"]["message"]
-        assert "golden check failed" in server.client.get("/v1/threads").json()["locked_reason"]
+        (rep,) = server.client.get("/v1/threads").json()["reports"]
+        assert "golden check failed" in rep["locked_reason"] and rep["state"] == "locked"
     finally:
         server.close()
 
@@ -134,7 +139,7 @@ def test_unwritable_record_still_serves_and_says_so(tmp_path, mode):
     try:
         server.wait_ready()
         r = server.client.post("/v1/embeddings", json={"input": "still served"})
-        rep = server.client.get("/v1/threads").json()
+        (rep,) = server.client.get("/v1/threads").json()["reports"]
     finally:
         server.close()
     assert r.status_code == 200

@@ -1,5 +1,13 @@
 """The learned-thread report (R4.10): one plain-data shape for ``GET /v1/threads`` and
-``vllm-srun threads report``, a text table and a plot."""
+``vllm-srun threads report`` (``document``: the same JSON from the live server and from the
+offline record), a text table and a plot.
+
+A document is ``{"object": "threads.report", "source": "server" | "record", "reports": [...]}``
+with one report per worker (live: per replica, named by ``deployment`` and ``replica``) or per
+scope of the record. Each report has the same keys (``build``, ``off_report``): its learning
+``state`` with ``state_reason`` and a ``recommendation`` (``advice.py``), and per range the
+statistic the decision uses (``decision_statistic``: the lower quartile, ``policy.typical``)
+per count beside the median and p90."""
 
 from __future__ import annotations
 
@@ -8,12 +16,16 @@ from dataclasses import asdict, dataclass, field, replace
 
 from vllm_srun.records.host_record import DriftEvent, Scope, Voucher
 from vllm_srun.tuner.adaptive import AdaptiveThreads, RangeLearning
+from vllm_srun.tuner.advice import OFF_REASON, learning_state, recommendation
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.policy import RangeState, speedup, summarize
+from vllm_srun.tuner.policy import RangeState, speedup, summarize, typical
 
 CBWR_REMEDY = ("answers drifted across thread counts with the torch backend; start the worker "
                "with --mkl-cbwr (sets MKL_CBWR=AUTO before torch loads), which made this kind "
                "of host bit-identical across counts, then `vllm-srun threads reset`")
+# the statistic ``policy.learned_count`` compares counts by (``policy.typical``), as named in
+# reports; its value per count stands beside the median and p90
+DECISION_STATISTIC = "p25_ms"
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,9 @@ class ReportInput:
     shadow_error: str | None = None
     uncovered: int = 0  # forwards kept at the configured count: shape not vouched for
     learning: dict[str, object] = field(default_factory=dict)  # what timed and checked what
+    margin: float | None = None  # TunerSettings.margin and min_samples the decision used
+    min_samples: int | None = None
+    model: str | None = None
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -41,7 +56,8 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
         slowdown = {str(n): round(t._slowdown(n), 3) for n in sorted(t._slowdowns)}
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
                        t.locked_reason, record_path, t.record_error, t.shadow_error,
-                       t.uncovered, {
+                       t.uncovered, margin=t.settings.margin,
+                       min_samples=t.settings.min_samples, learning={
                            "shadow_comparisons": t.comparisons, "audits": t.audits,
                            "shadows_overlapped_not_timed": t.discarded,
                            "shadows_preempted_not_timed": t.preempted,
@@ -83,9 +99,11 @@ def build(inp: ReportInput) -> dict:
         per_count = {}
         for n in inp.counts:
             s = summarize(r.samples.get(n, []))
-            per_count[str(n)] = ({"median_ms": round(s.median_ms, 3), "p90_ms": round(s.p90_ms, 3),
-                                  "samples": s.samples} if s else
-                                 {"median_ms": None, "p90_ms": None, "samples": 0})
+            per_count[str(n)] = (
+                {DECISION_STATISTIC: round(typical(r.samples[n]), 3),
+                 "median_ms": round(s.median_ms, 3), "p90_ms": round(s.p90_ms, 3),
+                 "samples": s.samples} if s else
+                {DECISION_STATISTIC: None, "median_ms": None, "p90_ms": None, "samples": 0})
         served = inp.configured if inp.drift is not None or inp.locked_reason else \
             r.learned if r.serving else (r.keep_serving or inp.configured)
         up = speedup(r.samples, inp.configured, r.learned) if r.learned else None
@@ -115,7 +133,8 @@ def build(inp: ReportInput) -> dict:
         notes.append(inp.shadow_error)
     if inp.record_error:
         notes.append(f"host record not written, learning kept in memory: {inp.record_error}")
-    return {
+    return advised({
+        "deployment": None, "replica": None, "model": inp.model,
         "mode": int(inp.mode), "configured_threads": inp.configured,
         "allowed_counts": list(inp.counts),
         "scope": {"fingerprint": inp.scope.fingerprint, "revision": inp.scope.revision,
@@ -140,34 +159,93 @@ def build(inp: ReportInput) -> dict:
             "first_index": list(inp.drift.first_index),
             "served_value": inp.drift.served_value, "shadow_value": inp.drift.shadow_value},
         "locked_reason": inp.locked_reason,
+        "decision_statistic": DECISION_STATISTIC, "decision_margin": inp.margin,
+        "decision_min_samples": inp.min_samples,
         "notes": notes,
         "ranges": ranges,
-    }
+    })
+
+
+def advised(report: dict) -> dict:
+    """``report`` with its learning state, the reason, and the recommendation, up front."""
+    state, reason = learning_state(report)
+    head = {k: report.pop(k) for k in ("deployment", "replica", "model", "mode")}
+    return {**head, "state": state.value, "state_reason": reason,
+            "recommendation": recommendation(report | head, state), **report}
+
+
+def off_report(configured: int | None, note: str = OFF_REASON,
+               model: str | None = None) -> dict:
+    """The report of a worker that learns nothing (adaptive threads off, a GPU or attached
+    replica, one that did not answer): the same keys as ``build``'s, state ``locked``."""
+    return advised({
+        "deployment": None, "replica": None, "model": model, "mode": 0,
+        "configured_threads": configured,
+        "allowed_counts": [configured] if configured is not None else [],
+        "scope": None, "record": None,
+        "voucher": {"comparisons": 0, "mismatches": 0, "swept": 0, "vouches": False,
+                    "coverage": []},
+        "uncovered_forwards": 0, "learning": {}, "drift": None, "locked_reason": note,
+        "decision_statistic": DECISION_STATISTIC, "decision_margin": None,
+        "decision_min_samples": None, "notes": [note], "ranges": []})
+
+
+def document(reports: list[dict], source: str) -> dict:
+    """The one JSON shape of ``GET /v1/threads`` (source ``server``) and ``vllm-srun threads
+    report --json`` (source ``record``)."""
+    return {"object": "threads.report", "source": source, "reports": reports}
+
+
+def labelled(report: dict, deployment: str | None, replica: str | None) -> dict:
+    """A replica's report named by its deployment and replica id; anything that is not a
+    report (a replica that manages its own threads, or did not answer) becomes one."""
+    if "ranges" not in report or "state" not in report:
+        note = "; ".join(report.get("notes", [])) or str(report.get("error", "no report"))
+        report = off_report(None, note)
+    return {**report, "deployment": deployment, "replica": replica}
+
+
+def tables(doc: dict) -> str:
+    """A document as text: each report's table, headed by what it is."""
+    if not doc["reports"]:
+        return "no worker reports adaptive threads\n"
+    out = []
+    for rep in doc["reports"]:
+        name = [f"{k} {rep[k]}" for k in ("deployment", "replica", "model") if rep.get(k)]
+        out.append((", ".join(name) + "\n" if name else "") + table(rep))
+    return "\n".join(out)
 
 
 def table(report: dict) -> str:
     counts = [str(n) for n in report["allowed_counts"]]
-    head = ["range", "served", *[f"{n} thr ms (p50/p90/n)" for n in counts], "learned",
-            "speed-up", "state"]
+    stat = report["decision_statistic"].removesuffix("_ms")
+    head = ["range", "served", *[f"{n} thr ms ({stat}/p50/p90/n)" for n in counts], "learned",
+            "speed-up", "range state"]
     rows = [head]
     for r in report["ranges"]:
         cells = [r["size_range"], str(r["served_threads"])]
         for n in counts:
             c = r["counts"][n]
             cells.append("-" if not c["samples"] else
-                         f"{c['median_ms']:.2f}/{c['p90_ms']:.2f}/{c['samples']}")
+                         f"{c[report['decision_statistic']]:.2f}/{c['median_ms']:.2f}/"
+                         f"{c['p90_ms']:.2f}/{c['samples']}")
         cells += [str(r["learned_threads"] or "-"),
                   f"{r['speedup']:.2f}x" if r["speedup"] else "-", r["state"]]
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     s = report["scope"]
-    top = [f"scope: host {s['fingerprint']}  revision {s['revision']}  backend {s['backend']}",
-           f"mode {report['mode']}, configured {report['configured_threads']} threads, "
+    top = [f"state: {report['state']} ({report['state_reason']})",
+           f"recommendation: {report['recommendation']}"]
+    if s is not None:
+        top.append(f"scope: host {s['fingerprint']}  revision {s['revision']}  backend "
+                   f"{s['backend']}")
+    top += [f"mode {report['mode']}, configured {report['configured_threads']} threads, "
            f"allowed {report['allowed_counts']}; voucher: "
            f"{'yes' if report['voucher']['vouches'] else 'no'} "
            f"({report['voucher']['comparisons']} comparisons, "
-           f"{report['voucher']['mismatches']} mismatches)"]
+           f"{report['voucher']['mismatches']} mismatches); counts compared by {stat} of "
+           f"their samples"]
     for c in report["voucher"].get("coverage", []):
         top.append(f"  vouched: counts {c['counts']}, {coverage_text(c)}")
     if report["drift"]:
@@ -178,6 +256,7 @@ def table(report: dict) -> str:
                    f"served at {d['served_threads']} vs shadow at {d['shadow_threads']} threads, "
                    f"first difference at {d['first_index']}: {d['served_value']!r} vs "
                    f"{d['shadow_value']!r}")
+    lines = lines if report["ranges"] else []
     return "\n".join(top + lines + [f"note: {n}" for n in report["notes"]]) + "\n"
 
 
@@ -205,8 +284,9 @@ def plot(reports: list[dict], path: str) -> None:
     fig, axes = plt.subplots(len(reports), 1, figsize=(8, 3.5 * len(reports)), squeeze=False)
     for ax, rep in zip(axes[:, 0], reports, strict=True):
         labels = [r["size_range"] for r in rep["ranges"]]
+        stat = rep["decision_statistic"]
         for n in rep["allowed_counts"]:
-            ys = [r["counts"][str(n)]["median_ms"] for r in rep["ranges"]]
+            ys = [r["counts"][str(n)][stat] for r in rep["ranges"]]
             ax.plot(labels, [y if y is not None else float("nan") for y in ys], marker="o",
                     label=f"{n} threads")
         for i, r in enumerate(rep["ranges"]):
@@ -215,10 +295,10 @@ def plot(reports: list[dict], path: str) -> None:
                             ha="center", va="bottom", fontsize=8)
         ax.set_yscale("log")
         ax.set_xlabel("input size range (padded tokens)")
-        ax.set_ylabel("median forward ms")
-        s = rep["scope"]
-        ax.set_title(f"{s['backend']} rev {s['revision']} host {s['fingerprint'][:8]}"
-                     f"{' (retired by drift)' if rep['drift'] else ''}", fontsize=9)
+        ax.set_ylabel(f"forward ms ({stat.removesuffix('_ms')}, the decision's statistic)")
+        s = rep["scope"] or {"backend": "-", "revision": "-", "fingerprint": "-"}
+        ax.set_title(f"{s['backend']} rev {s['revision']} host {s['fingerprint'][:8]}: "
+                     f"{rep['state']}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

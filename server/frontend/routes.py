@@ -37,6 +37,7 @@ from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
 from vllm_srun.server.pool.errors import ExchangeError, PoolError
 from vllm_srun.server.worker.bridge import OFFLOAD_CHARS
 from vllm_srun.server.worker.protocol import error_body
+from vllm_srun.tuner.report import document, labelled
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -209,15 +210,13 @@ async def health(request: Request) -> Response:
 
 @router.get("/v1/threads")
 async def threads(request: Request) -> Response:
-    pool = request.app.state.server.pool
-    local = pool.local_replica()
-    if local is not None:
-        return json_response(await local.threads_report())
-    out = {}
-    for dep in list(pool.deployments.values()):
+    """One report per replica, in the document ``vllm-srun threads report --json`` prints."""
+    out = []
+    for dep in list(request.app.state.server.pool.deployments.values()):
         reports = await asyncio.gather(*(r.threads_report() for r in dep.replicas))
-        out[dep.name] = {r.id: rep for r, rep in zip(dep.replicas, reports, strict=True)}
-    return json_response({"deployments": out})
+        out += [labelled(rep, dep.name, r.id)
+                for r, rep in zip(dep.replicas, reports, strict=True)]
+    return json_response(document(out, "server"))
 
 
 @router.get("/v1/inventory")

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
-import time
 from dataclasses import asdict
 
 from vllm_srun.runtime.artifact import DEFAULT_MODEL
 from vllm_srun.runtime.calibrate import CPU_CAP
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.types import BackendName
+from vllm_srun.server.frontend.progress import Progress
 
 
 def add_threads_commands(sub, add_threads_flags) -> None:
@@ -133,22 +134,21 @@ def _verify(args: argparse.Namespace) -> int:
           f"{list(counts)} against {configured}; {len(plan.shapes)} shapes "
           f"({total_tokens} padded tokens per count): "
           f"{coverage_text(asdict(coverage))}", file=sys.stderr)
-    started = last = time.monotonic()
+    done_tokens = list(itertools.accumulate(r * n for r, n in plan.shapes))
+    bar = Progress("verify", total_tokens)
 
-    def progress(res, total: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= 2 or res.shapes == total:
-            last = now
-            print(f"verify: {res.shapes}/{total} shapes, {res.comparisons} comparisons, "
-                  f"{res.mismatches} mismatches, {now - started:.0f} s", file=sys.stderr,
-                  flush=True)
+    def counts_text(res) -> str:
+        return (f"{res.shapes}/{len(plan.shapes)} shapes, {res.comparisons} comparisons, "
+                f"{res.mismatches} mismatches")
 
     try:
         result = sweep(lambda b, n: context.run(n, lambda: backend.forward(b, n)), configured,
-                       counts, plan.shapes, progress=progress)
+                       counts, plan.shapes,
+                       progress=lambda res, _total: bar.update(done_tokens[res.shapes - 1],
+                                                               counts_text(res)))
     finally:
         context.shutdown()
+    bar.finish(counts_text(result))
     if result.comparisons == 0:
         print("nothing compared: no voucher recorded")
         return 1
@@ -169,36 +169,51 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from vllm_srun.tuner.adaptive import RangeLearning
-    from vllm_srun.tuner.modes import AdaptiveMode
-    from vllm_srun.tuner.report import ReportInput, build, plot, table
+    from vllm_srun.tuner.report import document, plot, tables
 
     record = _open(args)
-    reports = []
-    for scope in record.scopes():
-        worker = record.worker(scope) or {"mode": 0, "configured": 1, "counts": [1]}
-        ranges = {lo: RangeLearning(samples=by_count)
-                  for lo, by_count in record.timings(scope).items()}
-        for lo, row in record.learned(scope).items():
-            r = ranges.setdefault(lo, RangeLearning())
-            r.learned, r.streak = row["num_threads"], row["verified_passes"]
-        inp = ReportInput(AdaptiveMode(worker["mode"]), worker["configured"],
-                          tuple(worker["counts"]), scope, ranges, record.voucher(scope),
-                          record.drift(scope), record_path=str(record.path))
-        rep = build(inp)
-        rep["model"] = worker.get("model")
-        reports.append(rep)
+    doc = document([_scope_report(record, scope) for scope in record.scopes()], "record")
     if args.json:
-        print(json.dumps(reports, indent=1))
+        print(json.dumps(doc, indent=1))
+    elif not doc["reports"]:
+        print(f"nothing learned yet in {record.path}")
     else:
-        if not reports:
-            print(f"nothing learned yet in {record.path}")
-        for rep in reports:
-            print(f"model {rep['model']}\n" + table(rep))
-    if args.plot and reports:
-        plot(reports, args.plot)
+        print(tables(doc), end="")
+    if args.plot and doc["reports"]:
+        plot(doc["reports"], args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def _scope_report(record, scope) -> dict:
+    """What the record holds for one scope, as the report a worker would give: its stored
+    samples, learned counts, voucher and drift; a learned count counts as served where the
+    last worker ran mode 2 and it passed its window under a voucher, as that worker did."""
+    from vllm_srun.tuner.adaptive import RangeLearning, TunerSettings
+    from vllm_srun.tuner.modes import AdaptiveMode
+    from vllm_srun.tuner.report import ReportInput, build
+
+    settings = TunerSettings()
+    worker = record.worker(scope) or {"mode": 0, "configured": 1, "counts": [1]}
+    mode, configured = AdaptiveMode(worker["mode"]), worker["configured"]
+    voucher = record.voucher(scope)
+    ranges = {lo: RangeLearning(samples=by_count)
+              for lo, by_count in record.timings(scope).items()}
+    for lo, row in record.learned(scope).items():
+        r = ranges.setdefault(lo, RangeLearning())
+        r.learned, r.streak = row["num_threads"], row["verified_passes"]
+        r.serving = (mode is AdaptiveMode.SERVE and r.learned != configured
+                     and r.streak >= settings.window
+                     and voucher.covers_counts(r.learned, configured))
+    inp = ReportInput(mode, configured, tuple(worker["counts"]), scope, ranges, voucher,
+                      record.drift(scope), record_path=str(record.path),
+                      margin=settings.margin, min_samples=settings.min_samples,
+                      model=worker.get("model"))
+    rep = build(inp)
+    rep["notes"].append("from the record: every stored sample of every worker of this scope "
+                        "(a worker decides on its own last "
+                        f"{settings.max_samples} per count)")
+    return rep
 
 
 def _reset(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from vllm_srun.tuner.adaptive import AdaptiveThreads
 from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows, reference_outputs
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
-from vllm_srun.tuner.report import build, from_tuner
+from vllm_srun.tuner.report import build, from_tuner, off_report
 from vllm_srun.tuner.shadows import ShadowProcess
 
 log = logging.getLogger(__name__)
@@ -108,9 +108,9 @@ class Worker:
         return runner
 
     def threads_report(self, runner: Runner | None) -> dict:
+        """This worker's report (``tuner/report.py``: one shape, learning or not)."""
         if self.tuner is not None:
-            return build(from_tuner(self.tuner, str(self.record_path)))
+            return {**build(from_tuner(self.tuner, str(self.record_path))),
+                    "model": self.manifest.name}
         num_threads = runner.args.num_threads if runner else self.spec.args.num_threads
-        return {"mode": 0, "configured_threads": num_threads, "allowed_counts": [num_threads],
-                "ranges": [], "notes": ["adaptive threads are off "
-                                        "(VLLM_SRUN_CPU_ADAPTIVE_THREADS unset or 0)"]}
+        return off_report(num_threads, model=self.manifest.name)
