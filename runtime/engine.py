@@ -63,14 +63,32 @@ class FixedThreads:
         return None
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where a request's time in the engine went: ``queue_s`` from ``submit`` until the first
+    forward carrying one of its rows started, ``forward_s`` from then until the last such
+    forward ended (several forwards when its rows did not fit one)."""
+
+    queue_s: float
+    forward_s: float
+
+
+class TimedFuture(Future):
+    """A request's future; ``timing`` is set before it resolves with an answer."""
+
+    timing: RequestTiming | None = None
+
+
 @dataclass
 class _Request:
     rows: list[list[int]]
     deadline: float  # time.monotonic() seconds
-    future: Future
+    future: TimedFuture
     outputs: list[np.ndarray | None] = field(default_factory=list)
     remaining: int = 0
     type_ids: list[list[int]] | None = None  # text pairs only
+    queued_at: float = 0.0  # time.monotonic() at submit
+    started_at: float | None = None  # ... when its first forward started
 
 
 def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None) -> TokenBatch:
@@ -150,15 +168,16 @@ class Engine:
                type_ids: list[list[int]] | None = None) -> Future:
         """Queue a request's token rows (and their type ids, for text pairs); the future
         gives float32 [len(rows), dim] (or [len(rows), tokens, labels], see stack_rows)."""
-        future: Future = Future()
-        limit = time.monotonic() + self.args.timeout_ms / 1000
+        future = TimedFuture()
+        now = time.monotonic()
+        limit = now + self.args.timeout_ms / 1000
         deadline = limit if deadline is None else min(deadline, limit)
         with self._cond:
             if not self._running:
                 raise EngineStopped("engine is not running")
             rid = next(self._ids)
             self._requests[rid] = _Request(rows, deadline, future, [None] * len(rows), len(rows),
-                                           type_ids)
+                                           type_ids, now)
             self._pending.extend(PendingRow(rid, i, len(r)) for i, r in enumerate(rows))
             self._cond.notify()
         return future
@@ -193,6 +212,10 @@ class Engine:
                 taken = set(chosen)
                 self._pending = [r for r in self._pending if r not in taken]
                 rows = [self._requests[r.request_id].rows[r.index] for r in chosen]
+                started = time.monotonic()
+                for r in chosen:
+                    if (req := self._requests[r.request_id]).started_at is None:
+                        req.started_at = started
                 types = [t[r.index] if (t := self._requests[r.request_id].type_ids) else None
                          for r in chosen]
             if chosen:
@@ -237,6 +260,8 @@ class Engine:
                     del self._requests[row.request_id]
                     done.append(req)
         for req in done:
+            started = req.started_at if req.started_at is not None else now
+            req.future.timing = RequestTiming(started - req.queued_at, now - started)
             _resolve(req.future, stack_rows(req.outputs))
 
     def _expire(self, now: float) -> None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 import numpy as np
 
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import Backend, load_backend
 from vllm_srun.runtime.cache import ResultCache, cache_key
-from vllm_srun.runtime.engine import Engine, ThreadsPolicy, stack_rows
+from vllm_srun.runtime.engine import Engine, ThreadsPolicy, TimedFuture, stack_rows
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.tokenizer import Tokenizer
 from vllm_srun.runtime.types import BackendName, EngineArgs, ForwardRecord, Manifest, TextInput
@@ -81,7 +80,7 @@ class Runner:
         self.backend.close()
 
     def submit(self, texts: Sequence[TextInput], truncate: bool = False,
-               deadline: float | None = None, field: str = "input") -> tuple[Future, int]:
+               deadline: float | None = None, field: str = "input") -> tuple[TimedFuture, int]:
         """Queue texts (or text pairs); returns (future of float32 [len(texts), dim], or
         [len(texts), tokens, labels] for token classification, and prompt tokens).
 
@@ -90,20 +89,20 @@ class Runner:
         keys = [cache_key(truncate, t) for t in texts]
         hits = [self.cache.get(k) for k in keys]
         miss_at = [i for i, h in enumerate(hits) if h is None]
-        if not miss_at:
-            out: Future = Future()
+        if not miss_at:  # answered from the cache: no timing (nothing queued or ran)
+            out = TimedFuture()
             out.set_result(stack_rows([h[0] for h in hits]))
             return out, sum(h[1] for h in hits)
         encoded = self.tokenizer.rows([texts[i] for i in miss_at], truncate, miss_at, field)
         rows = encoded.ids
         tokens = sum(h[1] for h in hits if h is not None) + sum(len(r) for r in rows)
         inner = self.engine.submit(rows, deadline, encoded.type_ids)
-        out = Future()
+        out = TimedFuture()
         inner.add_done_callback(lambda done: self._merge(done, out, hits, keys, miss_at, rows))
         out.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
         return out, tokens
 
-    def _merge(self, done: Future, out: Future, hits: list, keys: list[bytes],
+    def _merge(self, done: TimedFuture, out: TimedFuture, hits: list, keys: list[bytes],
                miss_at: list[int], rows: list[list[int]]) -> None:
         """The engine answered the misses: cache them and answer the whole request."""
         if done.cancelled() or done.exception() is not None:
@@ -112,6 +111,7 @@ class Runner:
                                   else TimeoutError("cancelled"))
             return
         vectors = done.result()
+        out.timing = done.timing
         full: list[np.ndarray] = [h[0] if h is not None else None for h in hits]
         for j, i in enumerate(miss_at):
             vector = vectors[j] if vectors.ndim == 2 else vectors[j][: len(rows[j])]

@@ -70,6 +70,11 @@ def test_a_full_pool_refuses_at_once_with_retry_after(full):
     r = server.client.post("/v1/embeddings", json={"input": "one more"}, headers=auth)
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "overloaded"
+    # the prebuilt refusal carries a request id too: the caller's, or a new one
+    assert len(r.headers["x-request-id"]) == 32
+    r = server.client.post("/v1/embeddings", json={"input": "one more"},
+                           headers={**auth, "x-request-id": "mine-1"})
+    assert r.status_code == 429 and r.headers["x-request-id"] == "mine-1"
     assert server.client.get("/health").status_code == 200  # probes still answered
 
 

@@ -10,6 +10,9 @@ in-process shorthand, its interpreter). Each refusal must then cost as little as
 - :meth:`Admission.gate` is the same rule as ASGI middleware, for servers that run our app
   behind their own HTTP layer (Ray Serve's proxy).
 
+Each refusal carries an ``x-request-id`` (the caller's, if valid, else a new one), as every
+other answer does (``tracing.py``).
+
 Invariants: a refusal is written only when no earlier request of the connection is still being
 answered (HTTP/1.1 answers in order); a caller the API key refuses gets its 401, not a 429.
 """
@@ -24,6 +27,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from vllm_srun.server.pool.dispatch import MAX_IN_FLIGHT
 from vllm_srun.server.worker.protocol import error_body
+from vllm_srun.server.worker.trace import new_request_id, valid_request_id
 
 # stands for a request cycle that is finished (all that uvicorn's protocol reads of one)
 _ANSWERED = SimpleNamespace(response_complete=True, disconnected=False, keep_alive=True,
@@ -71,8 +75,14 @@ class Admission:
         """A uvicorn HTTP protocol class that refuses per the rule at header time."""
         head = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
                 b"retry-after: 1\r\ncontent-length: " + str(len(self.body)).encode() + b"\r\n")
-        keep, close = head + b"\r\n" + self.body, head + b"connection: close\r\n\r\n" + self.body
+        keep, close = b"\r\n" + self.body, b"connection: close\r\n\r\n" + self.body
         admission = self
+
+        def with_id(headers: Headers) -> bytes:  # the caller's id if valid, else a new one
+            given = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"),
+                         None)
+            rid = given if valid_request_id(given) else new_request_id()
+            return head + b"x-request-id: " + rid.encode() + b"\r\n"
 
         class RefusingProtocol(HttpToolsProtocol):
             def on_headers_complete(self) -> None:
@@ -83,10 +93,10 @@ class Admission:
                 admission.count(path)
                 self.cycle = _ANSWERED  # the body that follows is read and dropped
                 if self.parser.should_keep_alive():
-                    self.transport.write(keep)
+                    self.transport.write(with_id(self.headers) + keep)
                     self.on_response_complete()
                 else:
-                    self.transport.write(close)
+                    self.transport.write(with_id(self.headers) + close)
                     self.transport.close()
 
         return RefusingProtocol

@@ -22,6 +22,7 @@ from vllm_srun.server.frontend.admission import Admission
 from vllm_srun.server.frontend.auth import RequireApiKey
 from vllm_srun.server.frontend.metrics import Metrics
 from vllm_srun.server.frontend.routes import json_response, router
+from vllm_srun.server.frontend.tracing import RequestTrace
 from vllm_srun.server.pool.config import Config
 from vllm_srun.server.pool.pool import Pool, PoolOptions
 from vllm_srun.server.worker.protocol import error_body
@@ -98,10 +99,11 @@ def create_app(state: ServerState, gate: bool = True):
     app.include_router(router)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     gated = state.admission.gate(app) if gate else app
-    if state.guard is None:
-        return gated
-    state.guard.app = gated
-    return state.guard
+    if state.guard is not None:
+        state.guard.app = gated
+        gated = state.guard
+    # outermost: the request id, Server-Timing and request metrics cover 401s and 429s too
+    return RequestTrace(gated, state.metrics, app.routes)
 
 
 async def _http_error(_request: Request, exc: StarletteHTTPException):

@@ -12,6 +12,8 @@ from vllm_srun.runtime.artifact import BUILTIN_MODELS, DEFAULT_MODEL
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
 from vllm_srun.runtime.types import BackendName
 from vllm_srun.server.frontend.auth import api_key
+from vllm_srun.server.worker.logs import LOG_FORMAT_ENV, log_format
+from vllm_srun.server.worker.logs import configure as configure_logging
 
 log = logging.getLogger("vllm_srun")
 
@@ -62,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "thread counts on hosts where they otherwise drift")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"], help="log level")
+    # -- observability (obs): log format; the lead may move this with the other flags
+    serve.add_argument("--log-format", choices=["text", "json"], default=None,
+                       help="log lines as text (time LEVEL logger event key=value ...) or JSON, "
+                            "one object per line (default: $VLLM_SRUN_LOG_FORMAT, else text); "
+                            "workers log the same way")
     from vllm_srun.server.frontend.threads_cli import add_threads_commands
 
     add_threads_commands(sub, _add_threads_flags)
@@ -153,8 +160,13 @@ def _add_threads_flags(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        fmt = log_format(getattr(args, "log_format", None))
+    except ConfigError as exc:
+        print(f"vllm-srun: error: {exc}", file=sys.stderr)
+        return 2
+    os.environ[LOG_FORMAT_ENV] = fmt  # worker processes log the same way
+    configure_logging(getattr(args, "log_level", "info"), fmt)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per worker call otherwise
     try:
         if args.command == "serve":
@@ -237,7 +249,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
                         on_load_failure, (lambda: config_from_args(args)) if args.config
                         else None)
     server = uvicorn.Server(uvicorn.Config(
-        create_app(state, gate=False), log_level="warning", access_log=False,
+        create_app(state, gate=False), log_level="warning", access_log=False, log_config=None,
         http=state.admission.protocol(), loop="uvloop", timeout_graceful_shutdown=5))
     server_box.append(server)
     bound = config.deployments[config.bound]

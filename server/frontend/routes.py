@@ -37,6 +37,7 @@ from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
 from vllm_srun.server.pool.errors import ExchangeError, PoolError
 from vllm_srun.server.worker.bridge import OFFLOAD_CHARS
 from vllm_srun.server.worker.protocol import error_body
+from vllm_srun.server.worker.trace import current as current_trace
 from vllm_srun.tuner.report import document, labelled
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,9 @@ async def answer(request: Request, endpoint: str,
     except (ApiError, PoolError, ExchangeError, RuntimeFault) as exc:
         err = http_error(exc)
         if err.status >= 500 and isinstance(exc, RuntimeFault):
-            log.warning("request_failed endpoint=%s code=%s error=%s", endpoint, err.code, exc)
+            trace = current_trace()
+            log.warning("request_failed endpoint=%s code=%s request_id=%s error=%s", endpoint,
+                        err.code, trace.request_id if trace else "-", exc)
         metrics.requests.labels(endpoint, err.code).inc()
         return json_response(error_body(err.code, err.message), err.status, err.headers)
     metrics.requests.labels(endpoint, "ok").inc()

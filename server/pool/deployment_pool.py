@@ -22,6 +22,7 @@ from vllm_srun.server.pool.errors import ExchangeError, PoolError, Refusal
 from vllm_srun.server.pool.outlier import Outcome, OutlierPolicy
 from vllm_srun.server.pool.replicas import Replica
 from vllm_srun.server.pool.states import DeploymentState, ReplicaState
+from vllm_srun.server.worker.trace import current as current_trace
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,8 @@ class DeploymentPool:
                 self._settle(replica, nbytes, Outcome.FAILURE)
                 raise
             self._settle(replica, nbytes, Outcome.SUCCESS)
+            if (trace := current_trace()) is not None:
+                trace.deployment, trace.tokens = self.name, trace.tokens + tokens
             return out, tokens, replica.id
 
     def state(self) -> DeploymentState:

@@ -12,6 +12,7 @@ import numpy as np
 from vllm_srun.runtime.errors import DeadlineExceeded
 from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.types import TextInput, input_chars
+from vllm_srun.server.worker.trace import current
 
 OFFLOAD_CHARS = 20_000  # tokenize bigger requests off the event loop
 
@@ -24,7 +25,10 @@ async def run(runner: Runner, texts: list[TextInput], truncate: bool,
                                                  field)
     else:
         future, tokens = runner.submit(texts, truncate, deadline, field)
-    return await answer(future, deadline), tokens
+    out = await answer(future, deadline)
+    if (trace := current()) is not None:
+        trace.note_timing(future.timing)
+    return out, tokens
 
 
 async def answer(future: Future, deadline: float) -> np.ndarray:

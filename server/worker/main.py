@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,8 +35,11 @@ from vllm_srun.runtime.runner import Runner
 from vllm_srun.server.worker import protocol
 from vllm_srun.server.worker.assembly import Worker
 from vllm_srun.server.worker.bridge import run
+from vllm_srun.server.worker.logs import configure as configure_logging
+from vllm_srun.server.worker.logs import log_format
 from vllm_srun.server.worker.metrics import WorkerMetrics
 from vllm_srun.server.worker.spec import WorkerSpec
+from vllm_srun.server.worker.trace import REQUEST_ID_HEADER, begin
 
 log = logging.getLogger("vllm_srun.worker")
 
@@ -75,6 +77,7 @@ def create_worker_app(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) ->
         runner = loaded.runner
         if runner is None or not runner.ready:
             return _error("not_ready", loaded.reason)
+        trace = begin(request.headers.get(REQUEST_ID_HEADER))
         try:
             order = protocol.Work.decode(await request.body())
             out, tokens = await run(runner, order.texts, order.truncate,
@@ -84,14 +87,16 @@ def create_worker_app(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) ->
         except RuntimeFault as exc:
             return _error(exc.code, str(exc))
         body, headers = protocol.encode_rows(out, tokens)
-        return Response(body, media_type="application/octet-stream", headers=headers)
+        return Response(body, media_type="application/octet-stream",
+                        headers={**headers, **trace.timing_headers()})
 
     async def threads(_request: Request) -> Response:
         return _json(worker.threads_report(loaded.runner))
 
     async def prometheus(_request: Request) -> Response:
         hits = loaded.runner.cache.hits if loaded.runner is not None else 0
-        return Response(metrics.render(hits), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(hits, worker.threads_report(loaded.runner)),
+                        media_type="text/plain; version=0.0.4")
 
     return Starlette(routes=[Route(protocol.HEALTH, health),
                              Route(protocol.WORK, work, methods=["POST"]),
@@ -137,9 +142,7 @@ def main(argv: list[str] | None = None, wrap_backend=None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None)
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s worker[%(process)d] %(name)s "
-                               "%(message)s")
+    configure_logging(args.log_level, log_format(None), f"worker[{os.getpid()}] ")
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
     import uvicorn
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None, wrap_backend=None) -> int:
     sock = _owner_only_socket(args.socket)
     _load_in_background(worker, loaded, metrics)
     config = uvicorn.Config(create_worker_app(worker, loaded, metrics), log_level="warning",
-                            access_log=False, loop="uvloop", http="httptools",
+                            access_log=False, log_config=None, loop="uvloop", http="httptools",
                             timeout_graceful_shutdown=5)
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     return 0

@@ -8,7 +8,9 @@ HTTP over the worker's owner-only Unix socket (R7.3):
   rows, with ``x-rows``, ``x-dim`` and ``x-tokens`` headers; an error is an R7.2 error body.
   A text may be a ``[query, document]`` pair (reranking, R7.4), and ``field`` names the
   inputs in errors. Per-token answers (token classification) add ``x-len``: the body is
-  ``[x-rows, x-len, x-dim]``, each row zero-padded after its own tokens.
+  ``[x-rows, x-len, x-dim]``, each row zero-padded after its own tokens. The front end's
+  ``x-request-id`` goes with the request (the worker logs under it); an answer the engine ran
+  carries its ``x-queue-ms`` and ``x-forward-ms`` (``trace.py``).
 - ``GET /threads``: the worker's adaptive-threads report (JSON).
 - ``GET /metrics``: the worker's own Prometheus metrics (forward time by size and count).
 

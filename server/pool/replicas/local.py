@@ -79,4 +79,4 @@ class LocalReplica(Replica):
 
     async def metrics_text(self) -> str | None:
         hits = self.runner.cache.hits if self.runner is not None else 0
-        return self.metrics.render(hits).decode()
+        return self.metrics.render(hits, self.worker.threads_report(self.runner)).decode()

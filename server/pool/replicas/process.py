@@ -21,6 +21,8 @@ from vllm_srun.server.pool.replicas.base import STARTUP_TIMEOUT_S, Replica
 from vllm_srun.server.pool.states import ReplicaState
 from vllm_srun.server.worker import protocol
 from vllm_srun.server.worker.spec import WorkerSpec
+from vllm_srun.server.worker.trace import REQUEST_ID_HEADER
+from vllm_srun.server.worker.trace import current as current_trace
 
 RESTART_STABLE_S = 60.0  # a worker that ran this long restarts from the first backoff again
 # How a managed worker starts. ``-P`` keeps the working directory off the module path (R9.1).
@@ -125,10 +127,15 @@ class ProcessReplica(Replica):
     async def call(self, texts, truncate, deadline, field="input"):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
         payload = protocol.Work(list(texts), truncate, remaining_ms, field).encode()
-        resp = await transport.post(self.id, self.client, protocol.WORK, payload,
-                                    {"content-type": "application/json"}, deadline)
+        headers = {"content-type": "application/json"}
+        if (trace := current_trace()) is not None:  # the worker logs under the same id
+            headers[REQUEST_ID_HEADER] = trace.request_id
+        resp = await transport.post(self.id, self.client, protocol.WORK, payload, headers,
+                                    deadline)
         if resp.status_code != 200:
             raise transport.exchange_error(self.id, resp, sent_key=False)
+        if trace is not None:
+            trace.note_headers(resp.headers)
         try:
             return protocol.decode_rows(resp.content, resp.headers)
         except protocol.ProtocolError as exc:
