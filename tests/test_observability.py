@@ -124,6 +124,9 @@ def test_metrics_request_ids_and_json_logs_of_a_real_server(tmp_path):
         ("/v1/embeddings", 200, "primary", 49)
     assert any(d["event"] == "request" and d["status"] == 404 and d["route"] == "other"
                for d in docs)
+    (listening,) = [d for d in docs if d.get("event") == "server_listening"]
+    assert (listening["deployment"], listening["replicas"], listening["adaptive_mode"]) == \
+        ("primary", 1, 1)
     (ready,) = [d for d in docs if d.get("event") == "worker_ready"]
     assert (ready["model"], ready["num_threads"], ready["level"]) == (L3, 1, "info")
 

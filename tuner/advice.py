@@ -80,8 +80,10 @@ def recommendation(report: dict, state: LearningState) -> str:
         (count,) = best
         ups = ", ".join(f"{r['size_range']} {r['speedup']:.2f}x" for r in learned
                         if r["speedup"])
+        rest = len(ranges) - len(learned)
         return (f"set --threads {count} for this traffic: every learned range runs fastest "
-                f"at {count} ({ups}); or {mode2} serves it per range")
+                f"at {count} ({ups}{f'; {rest} more still learning' if rest else ''}); "
+                f"or {mode2} serves it per range")
     if report["mode"] == 2 and vouched:
         return "keep mode 2 on: learned counts serve once their transition window passes"
     per = ", ".join(f"{r['size_range']}: {r['learned_threads']}" for r in learned)

@@ -70,7 +70,8 @@ class ServerState:
             log.error("reconfiguration_failed error=%s", exc)
             self.pool.record_event("reconfiguration_failed", str(exc))
             return None
-        log.warning("reconfigured %s", summary)
+        log.warning("reconfigured started=%s retired=%s kept=%s",
+                    *(",".join(summary[k]) or "-" for k in ("started", "retired", "kept")))
         return summary
 
     def ready(self) -> tuple[bool, str]:

@@ -269,6 +269,9 @@ def _announce(config, num_threads: int, budget: int, mode: int, address) -> None
           f"replica{'s' if replicas > 1 else ''}, backend {bound.backend or 'onnxruntime'}, "
           f"{num_threads} threads per CPU worker, CPU budget {budget}, adaptive threads mode "
           f"{mode}) on http://{shown}:{port}", flush=True)
+    log.info("server_listening url=http://%s:%d deployment=%s artifact=%s replicas=%d "
+             "num_threads=%d cpu_budget=%d adaptive_mode=%d", shown, port, config.bound,
+             bound.artifact, replicas, num_threads, budget, mode)
 
 
 def _check_deployments(config) -> None:
