@@ -94,8 +94,9 @@ def configure(level: str, fmt: str, label: str = "") -> None:
     text lines (a worker's ``worker[pid] ``)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(label))
+    handler.vllm_srun = True  # ours: a second call replaces it, others' handlers stay
     root = logging.getLogger()
-    for old in list(root.handlers):
+    for old in [h for h in root.handlers if getattr(h, "vllm_srun", False)]:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
