@@ -1,8 +1,9 @@
 """Artifacts: models on local disk, described by a Manifest (R1.1, R1.2).
 
-An artifact is either a built-in name (a real pretrained model that ships in a Python
-package) or a local Hugging Face style folder of a BERT-like encoder with ``tokenizer.json``.
-Nothing is fetched from the network. Revision = sha256 of the weights file's bytes.
+An artifact is a built-in name (a real pretrained model that ships in a Python package), a
+local Hugging Face style folder of a BERT-like encoder with ``tokenizer.json``, or a Hugging
+Face Hub id resolved through ``huggingface_hub``'s cache (``hub.py``; an existing path wins).
+Revision = sha256 of the weights file's bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+from vllm_srun.runtime import hub
 from vllm_srun.runtime.errors import ArtifactError
 from vllm_srun.runtime.types import Manifest, Pooling, Task
 
@@ -192,12 +194,19 @@ def _from_folder(folder: Path, name: str | None = None) -> Manifest:
         sigmoid=task is Task.RERANK and _sigmoid(config))
 
 
-def resolve(model: str | None = None) -> Manifest:
-    """The manifest of a built-in model name or a local folder path."""
+def resolve(model: str | None = None, revision: str | None = None) -> Manifest:
+    """The manifest of a built-in model name, a local folder path or a Hugging Face Hub id
+    (``revision``: the Hub branch, tag or commit; Hub ids only)."""
     model = model or DEFAULT_MODEL
     builtin = _ALIASES.get(model)
-    if builtin == _L6:
-        return _from_folder(_l6_folder(), name=_L6)
-    if builtin == _L3:
-        return _builtin_l3()
-    return _from_folder(Path(model).expanduser())
+    if builtin is not None and revision is None:  # with a revision: the Hub's snapshot
+        return _from_folder(_l6_folder(), name=_L6) if builtin == _L6 else _builtin_l3()
+    path = Path(model).expanduser()
+    if path.exists():  # an existing path wins over a Hub id of the same spelling
+        if revision is not None:
+            raise ArtifactError(f"revision {revision!r} applies to Hugging Face Hub ids; "
+                                f"{model!r} is a local folder")
+        return _from_folder(path)
+    if hub.is_hub_id(model):
+        return _from_folder(hub.snapshot(model, revision), name=model)
+    return _from_folder(path)

@@ -185,3 +185,79 @@ def test_serve_refuses_a_placement_this_machine_cannot_hold(tmp_path):
 def test_single_builds_a_bound_shorthand():
     config = single("all-MiniLM-L6-v2")
     assert config.bound == "primary" and config.deployments["primary"].shorthand
+
+
+# -- adaptive_threads, served_model_name, revision (R4.1, R7.5, R1.1 as amended) ------------
+
+@pytest.mark.parametrize("value,expected", [("off", "off"), ("learn", "learn"),
+                                            ("serve", "serve"), (False, "off")])
+def test_adaptive_threads_takes_off_learn_serve(value, expected):
+    """``adaptive_threads: off`` unquoted is YAML's false: read as off."""
+    dep = validate(_with(DEP + ["adaptive_threads"], value, SEED_OUTLIER)).deployments["primary"]
+    assert dep.adaptive_threads == expected
+
+
+def test_unquoted_off_in_a_file_is_off(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("global:\n  model_catalog:\n    deployments:\n      primary:\n"
+                    "        artifact: all-MiniLM-L6-v2\n        adaptive_threads: off\n")
+    config = load(path)
+    assert config.deployments["primary"].adaptive_threads == "off"
+    assert load_text(config.to_yaml()) == config  # the canonical form reads back the same
+
+
+def load_text(text: str):
+    return validate(yaml.safe_load(text))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("adaptive_threads", "2", r"primary\.adaptive_threads: adaptive_threads must be one of "
+                              r"off, learn, serve, got '2'"),
+    ("adaptive_threads", True, r"primary\.adaptive_threads: .*YAML reads unquoted on"),
+    ("adaptive_threads", "fast", r"primary\.adaptive_threads: "),
+    ("served_model_name", "", r"primary\.served_model_name: served_model_name must be"),
+    ("served_model_name", " padded", r"primary\.served_model_name: "),
+    ("served_model_name", "a\nb", r"primary\.served_model_name: "),
+    ("served_model_name", "x" * 257, r"primary\.served_model_name: "),
+    ("served_model_name", 7, r"primary\.served_model_name: "),
+    ("revision", "a..b", r"primary\.revision: revision must be a Hugging Face Hub branch"),
+    ("revision", "-x", r"primary\.revision: "),
+])
+def test_new_deployment_keys_refuse_bad_values_naming_the_key(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_with(DEP + [key], value, SEED_OUTLIER))
+
+
+def test_served_model_names_are_unique_ids():
+    deployments = {"a": {"artifact": "all-MiniLM-L6-v2"},
+                   "b": {"artifact": "all-MiniLM-L6-v2", "served_model_name": "a"}}
+    with pytest.raises(ConfigError, match=r"deployments\.b\.served_model_name 'a' is already "
+                                          r"an id of deployment 'a'"):
+        validate({"global": {"model_catalog": {"deployments": deployments}}})
+    deployments["b"]["served_model_name"] = "b"  # its own deployment's name: one id
+    deployments["a"]["served_model_name"] = "org/model"
+    validate({"global": {"model_catalog": {"deployments": deployments}}})
+    deployments["b"]["served_model_name"] = "org/model"
+    with pytest.raises(ConfigError, match="already an id of deployment 'a'"):
+        validate({"global": {"model_catalog": {"deployments": deployments}}})
+
+
+def test_adaptive_threads_is_refused_where_no_worker_is_managed():
+    with pytest.raises(ConfigError, match=r"deployments\.b: adaptive_threads applies to managed"):
+        validate({"global": {"model_catalog": {"deployments": {"b": {
+            "artifact": "x", "endpoint": "http://127.0.0.1:9", "model": "m",
+            "adaptive_threads": "learn"}}}}})
+
+
+def test_flag_settings_write_their_keys_and_model_replaces_the_hub_revision():
+    out = flags(None, settings={"served_model_name": "BAAI/bge-small-en-v1.5",
+                                "adaptive_threads": "learn", "engine.num_threads": 2})
+    dep = out.deployments["primary"]
+    assert (dep.served_model_name, dep.adaptive_threads, dep.engine.num_threads) == (
+        "BAAI/bge-small-en-v1.5", "learn", 2)
+    hub = validate(_with(DEP + ["revision"], "v2", SEED_OUTLIER))
+    assert flags(hub).deployments["primary"].revision == "v2"
+    moved = flags(hub, model="all-MiniLM-L6-v2").deployments["primary"]
+    assert (moved.artifact, moved.revision) == ("all-MiniLM-L6-v2", None)
+    with pytest.raises(ConfigError, match=r"primary\.adaptive_threads: "):
+        flags(None, settings={"adaptive_threads": "sometimes"})

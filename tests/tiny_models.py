@@ -201,3 +201,17 @@ def xlmr_embedder(folder: Path) -> Path:
         folder, safe_serialization=True)
     _sentence_transformers_folder(folder, 512)
     return folder
+
+
+def bert_embedder(folder: Path, seed: int = 7) -> Path:
+    """A BertModel as a sentence-transformers mean-pooling embedder (a bge/MiniLM-style
+    checkpoint's shape); ``seed`` picks the random weights."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    BertModel(BertConfig(vocab_size=BERT_VOCAB, max_position_embeddings=128, **TINY)).eval() \
+        .save_pretrained(folder, safe_serialization=True)
+    _bert_tokenizer(folder)
+    _sentence_transformers_folder(folder, 128)
+    return folder

@@ -19,14 +19,30 @@ class AdaptiveMode(enum.IntEnum):
     SERVE = 2  # also serve learned counts once verified and vouched for
 
 
+# the names of ``--adaptive-threads`` and the config key ``adaptive_threads``
+MODE_NAMES = {"off": AdaptiveMode.OFF, "learn": AdaptiveMode.LEARN,
+              "serve": AdaptiveMode.SERVE}
+
+
 def parse_mode(env: Mapping[str, str] | None = None) -> AdaptiveMode:
+    """$VLLM_SRUN_CPU_ADAPTIVE_THREADS: unset, 0 (off), 1 (learn) or 2 (serve); the names
+    off, learn and serve are read too."""
     env = os.environ if env is None else env
     raw = env.get(ADAPTIVE_ENV, "").strip()
     if raw in ("", "0"):
         return AdaptiveMode.OFF
     if raw in ("1", "2"):
         return AdaptiveMode(int(raw))
-    raise ConfigError(f"{ADAPTIVE_ENV} must be unset, 0, 1 or 2, got {env[ADAPTIVE_ENV]!r}")
+    if raw in MODE_NAMES:
+        return MODE_NAMES[raw]
+    raise ConfigError(f"{ADAPTIVE_ENV} must be unset, 0 (off), 1 (learn) or 2 (serve), got "
+                      f"{env[ADAPTIVE_ENV]!r}")
+
+
+def effective_mode(configured: str | None, default: AdaptiveMode) -> AdaptiveMode:
+    """A deployment's mode: its ``adaptive_threads`` (which ``--adaptive-threads`` writes)
+    when set, else ``default`` (the environment variable's)."""
+    return default if configured is None else MODE_NAMES[configured]
 
 
 MAX_ALLOWED_COUNT = 16  # learning never tries more intra-op threads than this

@@ -12,6 +12,16 @@ from vllm_srun.runtime.artifact import BUILTIN_MODELS, DEFAULT_MODEL
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
 from vllm_srun.runtime.types import BackendName
 from vllm_srun.server.frontend.auth import api_key
+from vllm_srun.server.frontend.settings import (
+    API_KEY,
+    DEPLOYMENT_SETTINGS,
+    LOG_FORMAT,
+    MAX_THREADS,
+    PRECEDENCE,
+    RECORD,
+    add_flags,
+    deployment_edits,
+)
 from vllm_srun.server.worker.logs import LOG_FORMAT_ENV, log_format
 from vllm_srun.server.worker.logs import configure as configure_logging
 
@@ -41,34 +51,43 @@ def _port(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    """The installed distribution's version (its metadata, not a copy in the source)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-srun")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-srun", description="Serve encoder models (embeddings, classifiers) on the CPU.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve", help="serve a model over HTTP",
         description="Serve one model over HTTP (OpenAI-compatible /v1/embeddings).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog=PRECEDENCE)
     _add_config_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind")
-    serve.add_argument("--port", type=_port, default=8000, help="port to bind (0 = any free)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8000,
+                       help="port to bind (0 = any free; default: %(default)s)")
     serve.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"),
-                       default=4 * 1024 * 1024, help="largest request body accepted")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                            "$VLLM_SRUN_API_KEY; prefer the variable: flags show in ps)")
+                       default=4 * 1024 * 1024,
+                       help="largest request body accepted (default: %(default)s)")
+    add_flags(serve, (API_KEY,))
     _add_threads_flags(serve)
     serve.add_argument("--mkl-cbwr", action="store_true",
                        help="torch backend: run with MKL_CBWR=AUTO (MKL's reproducible mode, "
                             "set before torch loads), which makes answers bit-identical across "
                             "thread counts on hosts where they otherwise drift")
     serve.add_argument("--log-level", default="info",
-                       choices=["debug", "info", "warning", "error"], help="log level")
-    # -- observability (obs): log format; the lead may move this with the other flags
-    serve.add_argument("--log-format", choices=["text", "json"], default=None,
-                       help="log lines as text (time LEVEL logger event key=value ...) or JSON, "
-                            "one object per line (default: $VLLM_SRUN_LOG_FORMAT, else text); "
-                            "workers log the same way")
+                       choices=["debug", "info", "warning", "error"],
+                       help="log level (default: %(default)s)")
+    add_flags(serve, (LOG_FORMAT,))
     from vllm_srun.server.frontend.threads_cli import add_threads_commands
 
     add_threads_commands(sub, _add_threads_flags)
@@ -76,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser(
         "show", help="print the canonical config.yaml that serve would run with the same "
-                     "flags (R6.2: flags and file are one resource)")
+                     "flags (flags and file are one resource)")
     _add_config_flags(show)
     return parser
 
@@ -93,12 +112,16 @@ def _device_ids(text: str) -> list[int]:
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    """Flags that write the canonical config (R6.2); unset flags leave the file's values."""
+    """Flags that write the canonical config; unset flags leave the file's values."""
     p.add_argument("model", nargs="?", default=None,
                    help=f"artifact of the bound deployment: a built-in model "
-                        f"({', '.join(BUILTIN_MODELS)}) or a local Hugging Face folder with "
-                        f"tokenizer.json and model.safetensors or model.onnx (default without "
-                        f"--config: {DEFAULT_MODEL}; with --config, the file's artifact)")
+                        f"({', '.join(BUILTIN_MODELS)}), a local Hugging Face folder with "
+                        f"tokenizer.json and model.safetensors or model.onnx, or a Hugging "
+                        f"Face Hub id such as BAAI/bge-small-en-v1.5, read from the Hub cache "
+                        f"($HF_HUB_CACHE or $HF_HOME/hub; downloaded there unless "
+                        f"$HF_HUB_OFFLINE is set). An existing folder wins over a Hub id of "
+                        f"the same spelling (default without --config: {DEFAULT_MODEL}; with "
+                        f"--config, the file's artifact)")
     p.add_argument("--config", default=None, help="config.yaml (global.model_catalog ...)")
     p.add_argument("--platform", choices=["cpu", "cuda", "rocm"], default=None,
                    help="where -dp places workers")
@@ -108,22 +131,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-ids", type=_device_ids, default=None,
                    help="GPU ordinals for -dp, in order (repeat an id for several workers "
                         "on one device)")
-    p.add_argument("--backend", choices=[b.value for b in BackendName], default=None,
-                   help="CPU backend (default onnxruntime, which exports the model to ONNX "
-                        "once per revision into the cache); GPU workers run torch")
-    p.add_argument("--threads", type=_positive("--threads"), default=None,
-                   help="intra-op threads per CPU worker (default: $VLLM_SRUN_CPU_THREADS, "
-                        "else half the CPU budget in 1..16), capped by the CPU budget")
-    p.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=None,
-                   help="most rows in one forward (default: 32)")
-    p.add_argument("--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"),
-                   default=None, help="most padded tokens (rows x longest) in one forward "
-                                      "(default: calibrated per worker at start)")
-    p.add_argument("--timeout-ms", type=_positive("--timeout-ms"), default=None,
-                   help="longest a request may take (default 30000); a caller may ask for "
-                        "less with the X-Request-Timeout-Ms header")
-    p.add_argument("--cache-entries", type=int, default=None,
-                   help="rows kept in the result cache (default 4096; 0 turns it off)")
+    add_flags(p, DEPLOYMENT_SETTINGS)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -131,31 +139,17 @@ def config_from_args(args: argparse.Namespace):
     from vllm_srun.runtime import device
     from vllm_srun.server.pool.config import apply_flags, load
 
-    if args.cache_entries is not None and args.cache_entries < 0:
-        raise ConfigError(f"--cache-entries must be >= 0, got {args.cache_entries}")
-    engine = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens",
-                                            "timeout_ms", "cache_entries")
-              if getattr(args, k) is not None}
-    if args.threads is not None:
-        engine["num_threads"] = args.threads
     base = load(args.config) if args.config else None
     gpu = args.platform in ("cuda", "rocm") or (base is not None and any(
         device.is_gpu(r.device or "cpu") for d in base.deployments.values()
         for r in d.placements()))
-    return apply_flags(base, model=args.model, backend=args.backend, platform=args.platform,
-                       dp=args.dp, device_ids=args.device_ids, engine=engine,
+    return apply_flags(base, model=args.model, platform=args.platform, dp=args.dp,
+                       device_ids=args.device_ids, settings=deployment_edits(args),
                        available=device.visible_devices() if gpu else {"cpu": 1})
 
 
 def _add_threads_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-threads", type=_positive("--max-threads"), default=None,
-                   help="adaptive threads: highest count learning tries. Learning tries 1, the "
-                        "powers of two, the configured count and the CPU budget, up to the "
-                        "budget and at most 16; this narrows that set (also "
-                        "$VLLM_SRUN_CPU_MAX_THREADS; capped by the CPU budget)")
-    p.add_argument("--record", default=None,
-                   help="host record file (default: $VLLM_SRUN_RECORD, else "
-                        "host-record.sqlite in the user's data folder)")
+    add_flags(p, (MAX_THREADS, RECORD))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +220,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
     from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
     from vllm_srun.server.pool.pool import PoolOptions
-    from vllm_srun.tuner.modes import max_threads, parse_mode
+    from vllm_srun.tuner.modes import effective_mode, max_threads, parse_mode
 
     if args.mkl_cbwr:
         _reexec_for_mkl_cbwr(args, argv)
@@ -253,8 +247,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         http=state.admission.protocol(), loop="uvloop", timeout_graceful_shutdown=5))
     server_box.append(server)
     bound = config.deployments[config.bound]
-    _announce(config, configured_threads(budget, bound.engine.num_threads), budget, int(mode),
-              sock.getsockname()[:2])
+    _announce(config, configured_threads(budget, bound.engine.num_threads), budget,
+              int(effective_mode(bound.adaptive_threads, mode)), sock.getsockname()[:2])
     server.run(sockets=[sock])
     return 1 if failed else 0
 
@@ -285,7 +279,7 @@ def _check_deployments(config) -> None:
             continue
         key = f"global.model_catalog.deployments.{name}"
         try:
-            manifest = resolve(dep.artifact)
+            manifest = resolve(dep.artifact, dep.revision)
         except RuntimeFault as exc:
             raise ConfigError(f"{key}.artifact: {exc}") from None
         tokens = dep.engine.max_num_batched_tokens

@@ -66,10 +66,11 @@ def rerank_answer(model: str, body: RerankBody, pairs: list[tuple[str, str]],
 
 
 @functools.lru_cache(maxsize=16)
-def _span_tokenizer(artifact: str, revision: str | None) -> tuple[Tokenizer, int | None]:
+def _span_tokenizer(artifact: str, hub_revision: str | None,
+                    revision: str | None) -> tuple[Tokenizer, int | None]:
     """The deployment's tokenizer (offsets, special-token mask, decoder) and unknown-token
     id, loaded once per artifact revision in the front end."""
-    manifest = resolve(artifact)
+    manifest = resolve(artifact, hub_revision)
     tokenizer = Tokenizer(manifest.tokenizer_path, manifest.max_tokens)
     config_path = Path(manifest.tokenizer_path).with_name("tokenizer_config.json")
     unk = None
@@ -85,7 +86,7 @@ def _span_tokenizer(artifact: str, revision: str | None) -> tuple[Tokenizer, int
 def entities_answer(info, texts: list[str], truncate: bool, logits: np.ndarray) -> list[dict]:
     """Per input, its entity spans from the worker's per-token logits [rows, tokens, labels].
     The front end tokenizes again (same tokenizer, same truncation) for character offsets."""
-    tokenizer, unk_id = _span_tokenizer(info.artifact, info.revision)
+    tokenizer, unk_id = _span_tokenizer(info.artifact, info.hub_revision, info.revision)
     encodings = tokenizer.encodings(texts, truncate)
     data = []
     for i, (text, enc) in enumerate(zip(texts, encodings, strict=True)):

@@ -27,6 +27,9 @@ def add_threads_commands(sub, add_threads_flags) -> None:
                                           "host, model revision and backend")
     for p in (verify, reset):
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model (as for serve)")
+        p.add_argument("--revision", default=None, metavar="REV",
+                       help="branch, tag or commit of a Hugging Face Hub id model (as for "
+                            "serve; default: main)")
         p.add_argument("--backend", choices=[b.value for b in BackendName],
                        default=BackendName.ONNXRUNTIME.value, help="CPU backend")
         p.add_argument("--mkl-cbwr", action="store_true",
@@ -108,7 +111,7 @@ def _verify(args: argparse.Namespace) -> int:
     budget = cpu_budget()
     configured = configured_threads(budget, args.threads)
     counts = allowed_counts(configured, budget, max_threads(budget, args.max_threads))
-    manifest = resolve(args.model)
+    manifest = resolve(args.model, args.revision)
     longest = args.max_tokens or manifest.max_tokens
     if longest > manifest.max_tokens:
         raise ConfigError(f"--max-tokens {longest} is above {manifest.name}'s limit of "
@@ -222,7 +225,7 @@ def _reset(args: argparse.Namespace) -> int:
     from vllm_srun.runtime.budget import cpu_budget
     from vllm_srun.runtime.host import host_fingerprint
 
-    manifest = resolve(args.model)
+    manifest = resolve(args.model, args.revision)
     if args.backend == BackendName.TORCH.value:
         import torch  # noqa: F401  (its builds are part of the fingerprint)
     fingerprint, _ = host_fingerprint(args.backend, cpu_budget())

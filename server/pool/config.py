@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -60,6 +61,38 @@ def _check_endpoint(url: str) -> str:
     return url.rstrip("/")
 
 
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+_SERVED = re.compile(r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]{0,254}[^\s\x00-\x1f\x7f])?$")
+ADAPTIVE_NAMES = ("off", "learn", "serve")  # VLLM_SRUN_CPU_ADAPTIVE_THREADS=0, 1, 2
+
+
+def check_served_name(name: str) -> str:
+    """The id clients send: 1-256 printable characters, no surrounding whitespace."""
+    if not isinstance(name, str) or not _SERVED.match(name):
+        raise ValueError(f"served_model_name must be 1-256 printable characters without "
+                         f"leading or trailing whitespace, got {name!r}")
+    return name
+
+
+def check_revision(rev: str) -> str:
+    """A Hub branch, tag or commit: letters, digits, '.', '_', '-' and '/'."""
+    if not isinstance(rev, str) or not _REVISION.match(rev) or ".." in rev:
+        raise ValueError(f"revision must be a Hugging Face Hub branch, tag or commit "
+                         f"(letters, digits, '.', '_', '-', '/'), got {rev!r}")
+    return rev
+
+
+def check_adaptive(value: object) -> object:
+    """``off``, ``learn`` or ``serve``; YAML reads an unquoted ``off`` as false."""
+    if value is False:
+        return "off"
+    if value not in ADAPTIVE_NAMES:
+        raise ValueError(f"adaptive_threads must be one of {', '.join(ADAPTIVE_NAMES)}, got "
+                         f"{value!r}" + (" (YAML reads unquoted on/yes/true as true)"
+                                         if value is True else ""))
+    return value
+
+
 def _check_env_name(name: str | None) -> str | None:
     if name is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
         raise ValueError(f"api_key_env names an environment variable (the key itself never "
@@ -104,6 +137,15 @@ class DeploymentConfig(_Strict):
     model: str | None = None
     api_key_env: str | None = None
     replicas: list[ReplicaConfig] | None = None
+    revision: str | None = None  # the Hub revision of a Hugging Face Hub id artifact
+    served_model_name: str | None = None  # the id clients send (default: the model's name)
+    adaptive_threads: Literal["off", "learn", "serve"] | None = None  # None: the env var
+
+    _revision = field_validator("revision")(lambda v: None if v is None else check_revision(v))
+    _served = field_validator("served_model_name")(
+        lambda v: None if v is None else check_served_name(v))
+    _adaptive = field_validator("adaptive_threads", mode="before")(
+        lambda v: None if v is None else check_adaptive(v))
 
     _endpoint = field_validator("endpoint")(lambda v: None if v is None else _check_endpoint(v))
     _key_env = field_validator("api_key_env")(_check_env_name)
@@ -124,6 +166,9 @@ class DeploymentConfig(_Strict):
         elif self.endpoint is not None or self.device is not None or self.model is not None:
             ReplicaConfig(device=self.device, endpoint=self.endpoint, model=self.model,
                           api_key_env=self.api_key_env)
+        if self.adaptive_threads is not None and all(r.endpoint for r in self.placements()):
+            raise ValueError("adaptive_threads applies to managed workers; this deployment "
+                             "only attaches endpoints")
         return self
 
     def placements(self) -> list[ReplicaConfig]:
@@ -161,6 +206,14 @@ class CatalogConfig(_Strict):
             if not _NAME.match(name):
                 raise ValueError(f"deployment name {name!r} must be 1-63 characters of "
                                  "letters, digits, '.', '_' or '-'")
+        taken = {name: name for name in self.deployments}  # id -> the deployment it names
+        for name, dep in self.deployments.items():
+            served = dep.served_model_name
+            if served is not None and taken.get(served, name) != name:
+                raise ValueError(f"deployments.{name}.served_model_name {served!r} is already "
+                                 f"an id of deployment {taken[served]!r}; ids must be unique")
+            if served is not None:
+                taken[served] = name
         return self
 
 
@@ -263,31 +316,33 @@ def _edit(config: Config, name: str, **changes) -> Config:
     return validate(data, "flags")
 
 
-def apply_flags(config: Config | None, *, model: str | None, backend: str | None,
-                platform: str | None, dp: int | None, device_ids: list[int] | None,
-                engine: dict[str, int], available: dict[str, int]) -> Config:
+def apply_flags(config: Config | None, *, model: str | None, platform: str | None,
+                dp: int | None, device_ids: list[int] | None, available: dict[str, int],
+                backend: str | None = None, engine: Mapping[str, object] | None = None,
+                settings: Mapping[str, object] | None = None) -> Config:
     """Write the ``serve`` flags into the canonical config (R6.2).
 
     - Only MODEL: the bound deployment's artifact changes; replicas and engine arguments stay.
+    - ``settings`` maps dotted keys of the bound deployment (``served_model_name``,
+      ``engine.num_threads``) to the values flags gave; ``backend`` and ``engine`` are the
+      same for ``backend`` and ``engine.*``.
     - ``-dp N`` with device ids: N workers spread over the ids in order (repeating an id
       starts several workers on one device).
     - ``-dp N`` on a GPU platform without ids, for a new placement: the first N available
       devices; too few is refused. An existing placement resizes in its declared order.
     - ``available`` maps platform -> visible device count (cpu: any number).
     """
+    settings = {**({"backend": backend} if backend is not None else {}),
+                **{f"engine.{k}": v for k, v in (engine or {}).items()}, **(settings or {})}
     if config is None:
         from vllm_srun.runtime.artifact import DEFAULT_MODEL
 
-        config = single(model or DEFAULT_MODEL, backend)
-    elif model is not None:
-        config = _edit(config, config.bound, artifact=model)
+        config = single(model or DEFAULT_MODEL, settings.pop("backend", None))
+    elif model is not None:  # MODEL replaces the artifact and the file's Hub revision with it
+        config = _edit(config, config.bound, artifact=model, revision=None)
     name = config.bound
-    dep = config.deployments[name]
-    if backend is not None and dep.backend != backend:
-        config = _edit(config, name, backend=backend)
-    if engine:
-        merged = {**dep.engine.model_dump(exclude_none=True), **engine}
-        config = _edit(config, name, engine=merged)
+    if settings:
+        config = _write(config, name, settings)
     if dp is None and platform is None and device_ids is None:
         return config
     devices = _placed_devices(config.deployments[name], platform, dp, device_ids, available)
@@ -296,6 +351,19 @@ def apply_flags(config: Config | None, *, model: str | None, backend: str | None
     for key in ("device", "endpoint", "model"):
         entry.pop(key, None)
     entry["replicas"] = [{"device": d} for d in devices]
+    return validate(data, "flags")
+
+
+def _write(config: Config, name: str, settings: Mapping[str, object]) -> Config:
+    """``config`` with each dotted key of deployment ``name`` set to its value."""
+    data = config.model_dump(by_alias=True, exclude_none=True)
+    entry = data["global"]["model_catalog"]["deployments"][name]
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        node = entry
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return validate(data, "flags")
 
 

@@ -36,6 +36,18 @@ class ModelInfo:
     labels: tuple[str, ...]
     revision: str | None
     max_tokens: int | None
+    model_name: str | None = None  # the artifact's own name, which served_model_name replaces
+    hub_revision: str | None = None  # the deployment's Hub revision (a Hub id artifact)
+
+
+def served_ids(name: str, config: DeploymentConfig, info: ModelInfo) -> tuple[str, ...]:
+    """The model ids a request may send for deployment ``name``: the deployment's name and
+    the id ``/v1/models`` lists; without ``served_model_name`` also the artifact as the
+    config spells it. A ``served_model_name`` replaces the model's own ids, as vLLM's
+    ``--served-model-name`` does."""
+    if config.served_model_name is not None:
+        return (name, config.served_model_name)
+    return (name, info.name, config.artifact)
 
 
 class DeploymentPool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -35,7 +36,7 @@ from vllm_srun.server.pool.config import (
     endpoint_key,
     replica_key_path,
 )
-from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
+from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo, served_ids
 from vllm_srun.server.pool.errors import PoolError, Refusal
 from vllm_srun.server.pool.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
 from vllm_srun.server.pool.replicas import (
@@ -49,7 +50,7 @@ from vllm_srun.server.pool.replicas.base import STARTUP_TIMEOUT_S
 from vllm_srun.server.pool.states import ReplicaState
 from vllm_srun.server.worker.assembly import Worker
 from vllm_srun.server.worker.spec import WorkerSpec
-from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.modes import AdaptiveMode, effective_mode
 
 log = logging.getLogger("vllm_srun.pool")
 
@@ -91,20 +92,23 @@ def _shape(dep: DeploymentConfig) -> planning.DeploymentShape:
     """What the plan compares: shared settings (changing any replaces the workers) and the
     declared placements."""
     return planning.DeploymentShape(
-        (dep.artifact, dep.backend, dep.engine, dep.shorthand),
+        (dep.artifact, dep.revision, dep.backend, dep.engine, dep.adaptive_threads,
+         dep.shorthand),
         tuple((r.device or r.endpoint, r.model) for r in dep.placements()))
 
 
 def _model_info(dep: DeploymentConfig) -> tuple[ModelInfo, Manifest | None]:
+    """What the front end knows of ``dep``'s model; its id is ``served_model_name`` if set."""
+    served = dep.served_model_name
     try:
-        m = resolve(dep.artifact)
+        m = resolve(dep.artifact, dep.revision)
     except RuntimeFault:
         if all(r.endpoint for r in dep.placements()):  # attached only: nothing local
-            return ModelInfo(dep.artifact, dep.artifact, Task.EMBED, None, (), None,
-                             None), None
+            return ModelInfo(served or dep.artifact, dep.artifact, Task.EMBED, None, (), None,
+                             None, dep.artifact, dep.revision), None
         raise
-    return ModelInfo(m.name, dep.artifact, m.task, m.hidden_size, m.labels, m.revision,
-                     m.max_tokens), m
+    return ModelInfo(served or m.name, dep.artifact, m.task, m.hidden_size, m.labels,
+                     m.revision, m.max_tokens, m.name, dep.revision), m
 
 
 @dataclass
@@ -165,10 +169,15 @@ class Pool:
 
     def _worker_spec(self, dep: DeploymentConfig, device: str) -> WorkerSpec:
         return WorkerSpec(dep.artifact, dep.backend or "onnxruntime", self._engine_args(dep),
-                          self.options.budget, AdaptiveMode(self.options.mode),
+                          self.options.budget, self.mode_of(dep),
                           self.options.max_threads, self.options.record, device=device,
                           set_max_num_seqs=dep.engine.max_num_seqs,
-                          set_max_num_batched_tokens=dep.engine.max_num_batched_tokens)
+                          set_max_num_batched_tokens=dep.engine.max_num_batched_tokens,
+                          revision=dep.revision)
+
+    def mode_of(self, dep: DeploymentConfig) -> AdaptiveMode:
+        """The deployment's adaptive-threads mode: its config key, else the process's."""
+        return effective_mode(dep.adaptive_threads, AdaptiveMode(self.options.mode))
 
     def _on_transition(self, deployment: str) -> Callable[[Replica, ReplicaState, str], None]:
         def transition(rep: Replica, state: ReplicaState, reason: str) -> None:
@@ -228,6 +237,8 @@ class Pool:
             slots = chosen.slots[name]
             kept = [by_id[s.keep] for s in slots if s.keep]
             info, manifest = (kept[0][0].info, None) if kept else _model_info(dep)
+            info = dataclasses.replace(info, name=dep.served_model_name or info.model_name
+                                       or info.name)
             policy = self._policy(name, dep)
             replicas = []
             for slot in slots:
@@ -349,7 +360,7 @@ class Pool:
         if dep is not None:
             return dep
         for d in self.deployments.values():
-            if model in (d.info.name, d.config.artifact):
+            if model in served_ids(d.name, d.config, d.info):
                 return d
         names = sorted({*self.deployments, *(d.info.name for d in self.deployments.values())})
         raise PoolError(Refusal.UNKNOWN_MODEL, f"model {model!r} is not served here; "

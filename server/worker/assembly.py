@@ -55,7 +55,7 @@ class Worker:
         self.spec = spec
         self.replica_id = replica_id
         self.wrap_backend = wrap_backend
-        self.manifest = manifest or resolve(spec.model)
+        self.manifest = manifest or resolve(spec.model, spec.revision)
         self.tuner: AdaptiveThreads | None = None
         self.record_path = record_path(spec.record_path)
 

@@ -30,6 +30,7 @@ class WorkerSpec:
     set_max_num_seqs: int | None = None
     set_max_num_batched_tokens: int | None = None
     calibrate: bool = True
+    revision: str | None = None  # the Hub revision when ``model`` is a Hugging Face Hub id
 
     def to_json(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

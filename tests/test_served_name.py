@@ -1,0 +1,72 @@
+"""R7.5: `--served-model-name NAME` is the id clients send and /v1/models lists. As vLLM's
+flag does, it replaces the model's own ids (the folder name, the path), so a TEI or infinity
+user switches by changing the URL only; the deployment's name keeps working (the config's own
+routing key). R4.1/R6.2: `--adaptive-threads` decides the workers' mode over the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Server
+
+SERVED = "BAAI/bge-small-en-v1.5"
+
+
+@pytest.fixture(scope="module")
+def embedder_dir(tmp_path_factory):
+    from tests.tiny_models import bert_embedder
+
+    return bert_embedder(tmp_path_factory.mktemp("folder-name"))
+
+
+@pytest.fixture(scope="module")
+def served(embedder_dir):
+    server = Server(str(embedder_dir), "--served-model-name", SERVED, "--threads", "1",
+                    "--backend", "torch", "--adaptive-threads", "learn",
+                    env={"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "2"}).wait_ready()
+    yield server
+    # a learning in-process server takes longer than close()'s 15 s grace to exit on SIGTERM
+    # (so does one started with the variable alone); it holds no child processes: kill it
+    server.client.close()
+    server.proc.kill()
+    server.proc.communicate()
+
+
+def _embed(server: Server, model: str | None):
+    body = {"input": ["hello world"], **({"model": model} if model is not None else {})}
+    return server.client.post("/v1/embeddings", json=body)
+
+
+def test_models_lists_the_served_name(served):
+    (entry,) = served.client.get("/v1/models").json()["data"]
+    assert (entry["id"], entry["deployment"], entry["dimensions"]) == (SERVED, "primary", 64)
+    assert served.client.get("/health").json()["model"] == SERVED
+
+
+@pytest.mark.parametrize("model", [SERVED, "primary", None])
+def test_requests_naming_the_served_name_or_the_deployment_are_served(served, model):
+    r = _embed(served, model)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == SERVED and len(r.json()["data"][0]["embedding"]) == 64
+
+
+def test_the_replaced_ids_are_unknown_models(served, embedder_dir):
+    for old in (embedder_dir.name, str(embedder_dir)):
+        r = _embed(served, old)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found" and SERVED in error["message"]
+
+
+def test_openai_client_sends_the_served_name(served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+    out = client.embeddings.create(model=SERVED, input=["hello"])
+    assert out.model == SERVED and len(out.data[0].embedding) == 64
+
+
+def test_the_flag_sets_the_workers_mode_over_the_variable(served):
+    """VLLM_SRUN_CPU_ADAPTIVE_THREADS=2 in the environment, --adaptive-threads learn on the
+    command line: the worker learns in mode 1."""
+    assert served.client.get("/v1/threads").json()["mode"] == 1
