@@ -13,6 +13,10 @@ in-process shorthand, its interpreter). Each refusal must then cost as little as
 Each refusal carries an ``x-request-id`` (the caller's, if valid, else a new one), as every
 other answer does (``tracing.py``).
 
+``HttpToolsProtocol`` is uvicorn's private API (it has no public hook that answers before
+the ASGI cycle): pyproject.toml pins the uvicorn versions checked, and
+tests/test_uvicorn_seam.py names what moved when a release changes what is overridden here.
+
 Invariants: a refusal is written only when no earlier request of the connection is still being
 answered (HTTP/1.1 answers in order); a caller the API key refuses gets its 401, not a 429.
 """
