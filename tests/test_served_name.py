@@ -69,4 +69,5 @@ def test_openai_client_sends_the_served_name(served):
 def test_the_flag_sets_the_workers_mode_over_the_variable(served):
     """VLLM_SRUN_CPU_ADAPTIVE_THREADS=2 in the environment, --adaptive-threads learn on the
     command line: the worker learns in mode 1."""
-    assert served.client.get("/v1/threads").json()["mode"] == 1
+    (report,) = served.client.get("/v1/threads").json()["reports"]
+    assert report["mode"] == 1
