@@ -268,10 +268,11 @@ def _fast_settings():
 FAST = _fast_settings()
 
 
-def start(backend, record, mode, configured, counts, settings=FAST, reference=True):
+def start(backend, record, mode, configured, counts, settings=FAST, reference=True,
+          scope=None):
     """A runner of L6 on ``backend`` with the adaptive tuner wired as a deployment wires it
     (shadows on SCHED_IDLE lanes over the backend's twin); ``runner.served`` collects the
-    served forwards."""
+    served forwards. The record scope is ``test-host``'s unless ``scope`` names another."""
     from vllm_srun.records.host_record import Scope
     from vllm_srun.runtime.artifact import resolve
     from vllm_srun.runtime.runner import Runner
@@ -284,7 +285,7 @@ def start(backend, record, mode, configured, counts, settings=FAST, reference=Tr
     records = []
     runner = Runner(manifest, backend, EngineArgs(num_threads=configured, cache_entries=0),
                     on_forward=records.append)
-    scope = Scope("test-host", manifest.revision, backend.name.value)
+    scope = scope or Scope("test-host", manifest.revision, backend.name.value)
     shadow_forward, close_shadows = idle_shadows(backend)
     tuner = AdaptiveThreads(mode, configured, counts, scope, record,
                             runner.engine.forward_batch, settings,
@@ -310,3 +311,26 @@ def row(tokens: int, salt: int = 0) -> list[int]:
 
     rng = np.random.default_rng(tokens * 1000 + salt)
     return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
+
+
+class SlowerAt:
+    """The real backend with its reported forward time scaled at one count: a forward-time
+    model, so which count wins does not hang on this shared machine's noise. The answers
+    (and so every bit-for-bit check) are the real backend's."""
+
+    def __init__(self, backend, count: int, factor: float) -> None:
+        self.backend, self.count, self.factor = backend, count, factor
+        self.name = backend.name
+
+    def forward(self, batch, num_threads):
+        from dataclasses import replace
+
+        result = self.backend.forward(batch, num_threads)
+        scale = self.factor if num_threads == self.count else 1.0
+        return replace(result, forward_s=result.forward_s * scale)
+
+    def twin(self):
+        return SlowerAt(self.backend.twin(), self.count, self.factor)
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,32 +1,41 @@
 """R4.6-R4.8 with real forwards: mode 2 serves a learned count only for the counts and shapes a
 voucher covers, and a drift any worker of the scope meets retires every worker within a
 second. The real mismatch is torch's on this host (FACTS.md: drift between 1 and 2 threads at
-some shapes); which shapes drift is measured here, not assumed."""
+some shapes); which shapes drift is measured here, not assumed. What reaches a running worker
+through the record (a drift, a sweep, a reset) is also written by another process, so it is
+tested on every host, drift or none."""
 
 from __future__ import annotations
 
 import calendar
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from tests.test_adaptive import FAST, M, SlowerAt, row, serve_paced, start, wait_for
+from tests.conftest import FAST, L6, SlowerAt, row, run_cli, serve_paced, start, wait_for
 from vllm_srun.records.host_record import HostRecord, Scope
+from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.budget import cpu_budget
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.threads import ThreadContext
+from vllm_srun.server.worker.assembly import scope_for
 from vllm_srun.tuner.adaptive import output_bits
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import RangeState
 from vllm_srun.tuner.report import build, from_tuner, table
 from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
+M = resolve(L6)
 COUNTS = (1, 2)
+WATCH_DEADLINE_S = 10 * FAST.watch_s  # a generous multiple of the record watch's interval
 
 
-def vouch(backend, record: HostRecord, bounds: ShapeBounds) -> None:
+def vouch(backend, record: HostRecord, bounds: ShapeBounds, scope: Scope | None = None) -> None:
     """A real sweep of ``bounds`` at counts 1 and 2, recorded as the scope's voucher."""
     plan = plan_sweep(bounds)
     context = ThreadContext()
@@ -36,7 +45,7 @@ def vouch(backend, record: HostRecord, bounds: ShapeBounds) -> None:
     finally:
         context.shutdown()
     assert res.comparisons == len(plan.shapes) and res.mismatches == 0, res.first_mismatch
-    record.add_voucher(Scope("test-host", M.revision, backend.name.value), "verify",
+    record.add_voucher(scope or Scope("test-host", M.revision, backend.name.value), "verify",
                        res.comparisons, res.mismatches, plan.coverage(COUNTS))
 
 
@@ -185,3 +194,134 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
     assert abs(seen_at - ta.retired.created_at) < 2  # when
     assert "RETIRED BY DRIFT seen by replica a pid 1" in table(report)
     assert all(r["state"] == RangeState.RETIRED for r in report["ranges"])
+
+
+# -- what reaches a running worker through the record, written by another process (R4.8) ----
+
+def host_scope(backend) -> Scope:
+    """This host's scope, as ``vllm-srun threads verify`` and ``threads reset`` compute it."""
+    return scope_for(M, backend, cpu_budget())
+
+
+def test_a_drift_another_process_records_retires_a_serving_worker(tmp_path):
+    """R4.8: "a drift seen by any worker retires learning for every worker of that scope on
+    the host within a second". A mode-2 worker serves its learned count; another process
+    records a drift through its own connection; the worker's record watch retires it within a
+    few watch intervals (no traffic in between), and it serves the configured count."""
+    backend = load_backend(M, "onnxruntime")
+    path = tmp_path / "r.sqlite"
+    scope = host_scope(backend)
+    vouch(backend, HostRecord(path), ShapeBounds(max_rows=1, max_len=40, max_padded=40), scope)
+    runner, tuner = start(SlowerAt(backend, 1, 1000.0), HostRecord(path), AdaptiveMode.SERVE, 1,
+                          COUNTS, scope=scope)
+    try:
+        serve_until_serving(runner, tuner, 16, [20, 24, 28])
+        runner.engine.submit([row(22, 1)]).result(timeout=60)
+        assert runner.served[-1].num_threads == 2
+        writer = subprocess.run([sys.executable, "-m", "tests.record_writer", "drift", str(path),
+                                 scope.fingerprint, scope.revision, scope.backend,
+                                 "replica other pid 4242"],
+                                capture_output=True, text=True, timeout=60)
+        assert writer.returncode == 0, writer.stderr
+        written_at = float(writer.stdout)
+        assert wait_for(lambda: tuner.retired is not None, WATCH_DEADLINE_S), \
+            f"not retired {WATCH_DEADLINE_S} s after another process recorded a drift"
+        print(f"retired {tuner.retired_at - written_at:.3f} s after the other process's write")
+        runner.engine.submit([row(22, 1)]).result(timeout=60)
+        assert runner.served[-1].num_threads == 1
+        report = build(from_tuner(tuner))
+    finally:
+        runner.stop()
+    assert (tuner.retired.worker, tuner.retired.rows, tuner.retired.padded_tokens) == \
+        ("replica other pid 4242", 1, 20)
+    assert report["drift"]["worker"] == "replica other pid 4242"
+    assert all(r["state"] == RangeState.RETIRED for r in report["ranges"])
+
+
+def test_a_sweep_and_a_reset_from_the_cli_reach_a_running_worker(tmp_path):
+    """R4.8: "after `threads reset` a new sweep can vouch again", for a worker that is already
+    running. A mode-2 worker has learned 2 threads with no voucher; `vllm-srun threads verify`
+    in another process vouches, the worker's record watch reads it with no traffic in between,
+    and the range then serves its learned count; `vllm-srun threads reset` in another process
+    retires the voucher, and the worker stops serving learned counts the same way."""
+    backend = load_backend(M, "onnxruntime")
+    path = tmp_path / "r.sqlite"
+    runner, tuner = start(SlowerAt(backend, 1, 1000.0), HostRecord(path), AdaptiveMode.SERVE, 1,
+                          COUNTS, scope=host_scope(backend))
+    try:
+        for i in range(10):
+            serve_paced(runner, tuner, row(20, i))
+        assert tuner.ranges[16].learned == 2 and not tuner.voucher.vouches
+        assert {r.num_threads for r in runner.served} == {1}
+        verify = run_cli("threads", "verify", L6, "--threads", "1", "--max-threads", "2",
+                         "--record", str(path), "--max-num-seqs", "1",
+                         "--max-num-batched-tokens", "40", "--max-tokens", "40")
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        assert wait_for(lambda: tuner.voucher.vouches, WATCH_DEADLINE_S), \
+            f"a new sweep did not reach the worker within {WATCH_DEADLINE_S} s"
+        serve_until_serving(runner, tuner, 16, [20, 24, 28])
+        runner.engine.submit([row(22, 1)]).result(timeout=60)
+        assert runner.served[-1].num_threads == 2
+        reset = run_cli("threads", "reset", L6, "--record", str(path))
+        assert reset.returncode == 0, reset.stdout + reset.stderr
+        assert wait_for(lambda: not tuner.voucher.vouches and not tuner.ranges[16].serving,
+                        WATCH_DEADLINE_S), \
+            f"a reset did not reach the worker within {WATCH_DEADLINE_S} s"
+        runner.engine.submit([row(22, 1)]).result(timeout=60)
+        assert runner.served[-1].num_threads == 1
+        report = build(from_tuner(tuner))
+    finally:
+        runner.stop()
+    (rng,) = [r for r in report["ranges"] if r["size_range"] == "16-31"]
+    assert rng["state"] == RangeState.NO_VOUCHER and tuner.retired is None
+
+
+def serve_rows_paced(runner, tuner, rows: list[list[int]]):
+    """Serve one request of several rows of one length (one forward), then wait for its
+    shadows."""
+    out = runner.engine.submit(rows).result(timeout=60)
+    wait_for(lambda: tuner.pending_shadows() == 0, 30)
+    return out
+
+
+def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_path):
+    """R4.8, as the README states it: "Mode 2 serves a learned count for a forward only if one
+    sweep since the last reset had both that count and the configured count and the forward's
+    shape lies in its bounds; other forwards of the range run at the configured count and the
+    report counts them". Above 1,024 padded tokens a sweep samples, so a shape in its bounds
+    that it did not run (6 x 230) is served at the learned count; shapes of the same range
+    outside its bounds (7 x 250 over its 1,536 padded tokens, 9 rows over its 8) are not. The
+    voucher is what a sweep of this plan records (sweeps themselves: test_threads_cli)."""
+    backend = load_backend(M, "onnxruntime")
+    record = HostRecord(tmp_path / "r.sqlite")
+    plan = plan_sweep(ShapeBounds(max_rows=8, max_len=256, max_padded=1536))
+    unswept = (6, 230)
+    assert unswept not in plan.shapes and 0 < plan.sampled < plan.above
+    assert {(5, 205), (6, 256)} <= set(plan.shapes)  # its stratum's smallest and largest
+    record.add_voucher(Scope("test-host", M.revision, "onnxruntime"), "verify",
+                       len(plan.shapes), 0, plan.coverage(COUNTS))
+    runner, tuner = start(SlowerAt(backend, 1, 1000.0), record, AdaptiveMode.SERVE, 1, COUNTS)
+    rows = {shape: [row(shape[1], salt) for salt in range(shape[0])]
+            for shape in (unswept, (7, 250), (9, 120))}
+    try:
+        for i in range(40):  # 5 rows of 210-249 tokens: in the bounds, range 1024-2047
+            serve_rows_paced(runner, tuner, [row(210 + i % 40, 100 * i + k) for k in range(5)])
+            if (r := tuner.ranges.get(1024)) is not None and r.serving:
+                break
+        assert tuner.ranges[1024].serving, build(from_tuner(tuner))
+        before, uncovered = len(runner.served), tuner.uncovered
+        out = runner.engine.submit(rows[unswept]).result(timeout=60)
+        for shape in ((7, 250), (9, 120)):
+            runner.engine.submit(rows[shape]).result(timeout=60)
+        served = runner.served[before:]
+    finally:
+        runner.stop()
+    assert [(r.rows, r.padded_tokens, r.num_threads) for r in served] == [
+        (6, 1380, 2), (7, 1750, 1), (9, 1080, 1)]
+    assert tuner.uncovered - uncovered == 2
+    context = ThreadContext()
+    try:
+        reference = context.run(1, lambda: backend.forward(pad(rows[unswept]), 1)).outputs
+    finally:
+        context.shutdown()
+    assert np.array_equal(output_bits(out), output_bits(reference))
