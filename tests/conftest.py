@@ -82,11 +82,14 @@ class Server:
     """A real ``vllm-srun serve`` process on a free port."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 faults: Path | None = None, fake_gpus: bool = False) -> None:
-        # faults (a folder of fault files) and fake_gpus run the server through the test-only
-        # launcher tests/faults.py (R9.2: the product itself has no such hooks)
+                 faults: Path | None = None, fake_gpus: str | None = None,
+                 gpu_log: Path | None = None) -> None:
+        # faults (a folder of fault files) and fake_gpus (a vendor: two GPUs of it, their
+        # use noted in gpu_log) run the server through the test-only launcher tests/faults.py
+        # (R9.2: the product itself has no such hooks)
         options = [*(["--faults", str(faults)] if faults is not None else []),
-                   *(["--fake-gpus"] if fake_gpus else [])]
+                   *(["--fake-gpus", fake_gpus] if fake_gpus else []),
+                   *(["--gpu-log", str(gpu_log)] if gpu_log is not None else [])]
         launcher = (["-m", "tests.faults", *options, "serve"] if options
                     else ["-m", "vllm_srun.server", "serve"])
         cmd = [sys.executable, *launcher, *args, "--port", "0", "--log-level", "warning"]
