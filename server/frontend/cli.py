@@ -229,6 +229,9 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     pool_options = PoolOptions(budget, int(mode), max_threads(budget, args.max_threads),
                                args.record, args.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # R9.1: a spawned child of this process (the in-process worker's shadow process) starts as
+    # `python -c`, which puts the working folder first on its module path unless told not to
+    os.environ["PYTHONSAFEPATH"] = "1"
     sock = _bind(args.host, args.port)
     failed: list[str] = []
     server_box: list = []
