@@ -300,7 +300,9 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     assert {(5, 205), (6, 256)} <= set(plan.shapes)  # its stratum's smallest and largest
     record.add_voucher(Scope("test-host", M.revision, "onnxruntime"), "verify",
                        len(plan.shapes), 0, plan.coverage(COUNTS))
-    runner, tuner = start(SlowerAt(backend, 1, 1000.0), record, AdaptiveMode.SERVE, 1, COUNTS)
+    settings = replace(FAST, min_samples=2, window=2)  # forwards of 1,000+ tokens are slow here
+    runner, tuner = start(SlowerAt(backend, 1, 1000.0), record, AdaptiveMode.SERVE, 1, COUNTS,
+                          settings)
     rows = {shape: [row(shape[1], salt) for salt in range(shape[0])]
             for shape in (unswept, (7, 250), (9, 120))}
     try:
