@@ -165,6 +165,21 @@ def _sigmoid(config: dict) -> bool:
     return _ACTIVATIONS[path]
 
 
+def _prompts(folder: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """``prompts`` and ``default_prompt_name`` of config_sentence_transformers.json."""
+    path = folder / "config_sentence_transformers.json"
+    st = _read_json(path)
+    prompts = st.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise ArtifactError(f"{path}: prompts must map names to prompt texts")
+    default = st.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ArtifactError(f"{path}: default_prompt_name {default!r} is not one of the "
+                            f"prompts {sorted(prompts)}")
+    return tuple(prompts.items()), default
+
+
 def _from_folder(folder: Path, name: str | None = None) -> Manifest:
     if not folder.is_dir():
         raise ArtifactError(f"model {str(folder)!r} is neither a built-in model "
@@ -183,6 +198,7 @@ def _from_folder(folder: Path, name: str | None = None) -> Manifest:
         raise ArtifactError(f"{folder} has {found}: it needs model.safetensors or model.onnx")
     weights = safetensors if safetensors.is_file() else onnx
     task = _task(config)
+    prompts, default_prompt = _prompts(folder) if task is Task.EMBED else ((), None)
     return Manifest(
         name=name or folder.name, path=str(folder), revision=weights_digest(weights), task=task,
         pooling=_pooling(folder), normalize=_normalize(folder),
@@ -191,7 +207,8 @@ def _from_folder(folder: Path, name: str | None = None) -> Manifest:
         safetensors_path=str(safetensors) if safetensors.is_file() else None,
         onnx_path=str(onnx) if onnx else None,
         labels=_labels(config) if task in (Task.CLASSIFY, Task.TOKEN_CLASSIFY) else (),
-        sigmoid=task is Task.RERANK and _sigmoid(config))
+        sigmoid=task is Task.RERANK and _sigmoid(config), prompts=prompts,
+        default_prompt_name=default_prompt)
 
 
 def resolve(model: str | None = None, revision: str | None = None) -> Manifest:

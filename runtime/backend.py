@@ -16,7 +16,7 @@ import numpy as np
 
 from vllm_srun.runtime import device as devices
 from vllm_srun.runtime.errors import ArtifactError, Unsupported
-from vllm_srun.runtime.pooling import pool
+from vllm_srun.runtime.pooling import l2_normalize, pool
 from vllm_srun.runtime.types import BackendName, ForwardResult, Manifest, Task, TokenBatch
 
 
@@ -41,12 +41,20 @@ OUTPUT_RANK = {Task.EMBED: 3, Task.CLASSIFY: 2, Task.RERANK: 2, Task.TOKEN_CLASS
 
 def _finish(manifest: Manifest, out: np.ndarray, batch: TokenBatch) -> np.ndarray:
     """The rows a task answers: pooled vectors, logits, per-token logits, or rerank scores
-    (the cross-encoder's one logit, through a sigmoid when its CrossEncoder applies one)."""
+    (the cross-encoder's one logit, through a sigmoid when its CrossEncoder applies one).
+    Rows of ``batch.raw_rows`` skip the last step (Normalize, the sigmoid)."""
+    raw = batch.raw_rows
     if manifest.task is Task.EMBED:
-        return pool(out, batch.attention_mask, manifest.pooling, manifest.normalize)
+        if raw is None or not raw.any():
+            return pool(out, batch.attention_mask, manifest.pooling, manifest.normalize)
+        pooled = pool(out, batch.attention_mask, manifest.pooling, False)
+        if manifest.normalize and not raw.all():
+            pooled[~raw] = l2_normalize(pooled[~raw])
+        return pooled
     out = np.ascontiguousarray(out, dtype=np.float32)
     if manifest.task is Task.RERANK and manifest.sigmoid:
-        out = (np.float32(1) / (np.float32(1) + np.exp(-out))).astype(np.float32)
+        scores = (np.float32(1) / (np.float32(1) + np.exp(-out))).astype(np.float32)
+        out = scores if raw is None else np.where(raw[:, None], out, scores)
     return out
 
 

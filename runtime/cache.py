@@ -19,10 +19,13 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 _ENTRY_OVERHEAD = 200  # bytes a kept entry costs beyond its answer (key, tuple, array header)
 
 
-def cache_key(truncate: bool, item: TextInput) -> bytes:
-    """The digest of (truncate, input); a text pair hashes both texts, length-prefixed."""
+def cache_key(truncate: bool, item: TextInput, raw: bool = False) -> bytes:
+    """The digest of (truncate, raw, input); a text pair hashes both texts,
+    length-prefixed."""
     h = hashlib.blake2b(digest_size=16)
     h.update(b"T" if truncate else b"F")
+    if raw:
+        h.update(b"R")
     for text in (item,) if isinstance(item, str) else item:
         data = text.encode("utf-8", "surrogatepass")
         h.update(len(data).to_bytes(8, "little"))

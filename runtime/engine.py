@@ -89,11 +89,13 @@ class _Request:
     type_ids: list[list[int]] | None = None  # text pairs only
     queued_at: float = 0.0  # time.monotonic() at submit
     started_at: float | None = None  # ... when its first forward started
+    raw: bool = False  # answered before the model's last step (TokenBatch.raw_rows)
 
 
-def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None) -> TokenBatch:
+def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None,
+        raw: list[bool] | None = None) -> TokenBatch:
     """Pad rows to the longest; ``type_ids`` (text pairs) gives the token type ids, where a
-    row without them (None) has zeros."""
+    row without them (None) has zeros; ``raw`` marks the rows answered raw."""
     longest = max(len(r) for r in rows)
     ids = np.zeros((len(rows), longest), dtype=np.int64)
     mask = np.zeros((len(rows), longest), dtype=np.int64)
@@ -106,7 +108,8 @@ def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None) -
         for i, t in enumerate(type_ids):
             if t is not None:
                 types[i, : len(t)] = t
-    return TokenBatch(ids, mask, types)
+    raw_rows = np.array(raw, dtype=bool) if raw is not None and any(raw) else None
+    return TokenBatch(ids, mask, types, raw_rows)
 
 
 def stack_rows(outputs: list[np.ndarray]) -> np.ndarray:
@@ -165,9 +168,10 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, rows: list[list[int]], deadline: float | None = None,
-               type_ids: list[list[int]] | None = None) -> Future:
-        """Queue a request's token rows (and their type ids, for text pairs); the future
-        gives float32 [len(rows), dim] (or [len(rows), tokens, labels], see stack_rows)."""
+               type_ids: list[list[int]] | None = None, raw: bool = False) -> Future:
+        """Queue a request's token rows (and their type ids, for text pairs; ``raw``: see
+        ``TokenBatch.raw_rows``); the future gives float32 [len(rows), dim] (or
+        [len(rows), tokens, labels], see stack_rows)."""
         future = TimedFuture()
         now = time.monotonic()
         limit = now + self.args.timeout_ms / 1000
@@ -177,7 +181,7 @@ class Engine:
                 raise EngineStopped("engine is not running")
             rid = next(self._ids)
             self._requests[rid] = _Request(rows, deadline, future, [None] * len(rows), len(rows),
-                                           type_ids, now)
+                                           type_ids, now, raw=raw)
             self._pending.extend(PendingRow(rid, i, len(r)) for i, r in enumerate(rows))
             self._cond.notify()
         return future
@@ -218,12 +222,13 @@ class Engine:
                         req.started_at = started
                 types = [t[r.index] if (t := self._requests[r.request_id].type_ids) else None
                          for r in chosen]
+                raw = [self._requests[r.request_id].raw for r in chosen]
             if chosen:
-                self._serve(chosen, rows, types)
+                self._serve(chosen, rows, types, raw)
 
     def _serve(self, chosen: list[PendingRow], rows: list[list[int]],
-               types: list[list[int] | None]) -> None:
-        batch = pad(rows, types)
+               types: list[list[int] | None], raw: list[bool]) -> None:
+        batch = pad(rows, types, raw)
         num_threads = self.threads.served_threads(batch)
         try:
             result = self._run(num_threads, lambda: self.backend.forward(batch, num_threads))

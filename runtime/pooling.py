@@ -21,7 +21,10 @@ def pool(hidden: np.ndarray, mask: np.ndarray, pooling: Pooling, normalize: bool
         out = (hidden * m).sum(axis=1, dtype=np.float64) / np.maximum(
             m.sum(axis=1, dtype=np.float64), 1e-9)
     out = np.ascontiguousarray(out, dtype=np.float32)
-    if normalize:
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        out = out / np.maximum(norms, np.float32(1e-12))
-    return out.astype(np.float32, copy=False)
+    return l2_normalize(out) if normalize else out
+
+
+def l2_normalize(rows: np.ndarray) -> np.ndarray:
+    """Each float32 row over its L2 norm (sentence-transformers' Normalize module)."""
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    return (rows / np.maximum(norms, np.float32(1e-12))).astype(np.float32, copy=False)

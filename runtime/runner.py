@@ -80,13 +80,15 @@ class Runner:
         self.backend.close()
 
     def submit(self, texts: Sequence[TextInput], truncate: bool = False,
-               deadline: float | None = None, field: str = "input") -> tuple[TimedFuture, int]:
+               deadline: float | None = None, field: str = "input",
+               raw: bool = False) -> tuple[TimedFuture, int]:
         """Queue texts (or text pairs); returns (future of float32 [len(texts), dim], or
-        [len(texts), tokens, labels] for token classification, and prompt tokens).
+        [len(texts), tokens, labels] for token classification, and prompt tokens). ``raw``:
+        the rows before the model's last step (no Normalize module, no sigmoid).
 
         Raises InputError (naming the input as ``field[i]``) before anything is queued.
         """
-        keys = [cache_key(truncate, t) for t in texts]
+        keys = [cache_key(truncate, t, raw) for t in texts]
         hits = [self.cache.get(k) for k in keys]
         miss_at = [i for i, h in enumerate(hits) if h is None]
         if not miss_at:  # answered from the cache: no timing (nothing queued or ran)
@@ -96,7 +98,7 @@ class Runner:
         encoded = self.tokenizer.rows([texts[i] for i in miss_at], truncate, miss_at, field)
         rows = encoded.ids
         tokens = sum(h[1] for h in hits if h is not None) + sum(len(r) for r in rows)
-        inner = self.engine.submit(rows, deadline, encoded.type_ids)
+        inner = self.engine.submit(rows, deadline, encoded.type_ids, raw)
         out = TimedFuture()
         inner.add_done_callback(lambda done: self._merge(done, out, hits, keys, miss_at, rows))
         out.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)

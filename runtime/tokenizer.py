@@ -73,6 +73,19 @@ class Tokenizer:
         return TokenRows([e.ids for e in encodings],
                          [e.type_ids for e in encodings] if pairs else None)
 
+    def plain(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[Encoding]:
+        """Encodings without any limit (what a tokenize request shows)."""
+        return self._plain.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Texts of token id sequences, by the tokenizer's decoder."""
+        return self._plain.decode_batch([list(i) for i in ids],
+                                        skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._plain.get_vocab_size(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self._plain.token_to_id(token)
 

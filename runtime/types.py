@@ -52,6 +52,10 @@ class Manifest:
     onnx_path: str | None = None
     labels: tuple[str, ...] = ()
     sigmoid: bool = False  # rerank: scores are sigmoid(logit) (CrossEncoder's one-label default)
+    # sentence-transformers' prompts (name -> text put before an input) and the one applied
+    # when a request names none (config_sentence_transformers.json)
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class TokenBatch:
     input_ids: np.ndarray
     attention_mask: np.ndarray
     token_type_ids: np.ndarray | None = None
+    # bool [rows]: rows answered before the model's last step (no Normalize, no sigmoid);
+    # None: none
+    raw_rows: np.ndarray | None = None
 
     @property
     def rows(self) -> int:

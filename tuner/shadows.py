@@ -89,7 +89,8 @@ class ShadowProcess:
     def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
         with self._lock:
             try:
-                self._conn.send((batch.input_ids, batch.attention_mask, num_threads))
+                self._conn.send((batch.input_ids, batch.attention_mask, batch.token_type_ids,
+                                 batch.raw_rows, num_threads))
                 ok, payload = self._conn.recv()
             except (OSError, EOFError) as exc:
                 raise RuntimeFault(f"shadow process gone: {exc}") from exc
@@ -141,8 +142,8 @@ def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, arm
             return
         if msg is None:
             return
-        ids, mask, n = msg
-        batch = TokenBatch(ids, mask)
+        ids, mask, types, raw, n = msg  # the served batch as it ran (pairs, raw rows)
+        batch = TokenBatch(ids, mask, types, raw)
         try:
             before = waits()
             r = context.run(n, lambda b=batch, k=n: backend.forward(b, k))

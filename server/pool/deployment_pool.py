@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_srun.runtime.types import Task, TextInput, input_chars
+from vllm_srun.runtime.types import Manifest, Task, TextInput, input_chars
 from vllm_srun.server.pool import dispatch
 from vllm_srun.server.pool.config import DeploymentConfig
 from vllm_srun.server.pool.errors import ExchangeError, PoolError, Refusal
@@ -38,6 +38,7 @@ class ModelInfo:
     max_tokens: int | None
     model_name: str | None = None  # the artifact's own name, which served_model_name replaces
     hub_revision: str | None = None  # the deployment's Hub revision (a Hub id artifact)
+    manifest: Manifest | None = None  # None for a deployment of attached endpoints only
 
 
 def served_ids(name: str, config: DeploymentConfig, info: ModelInfo) -> tuple[str, ...]:
@@ -113,9 +114,10 @@ class DeploymentPool:
         return (caller_deadline if caller_shorter else limit), caller_shorter
 
     async def infer(self, texts: list[TextInput], truncate: bool,
-                    caller_deadline: float | None = None,
-                    field: str = "input") -> tuple[np.ndarray, int, str]:
+                    caller_deadline: float | None = None, field: str = "input",
+                    raw: bool = False) -> tuple[np.ndarray, int, str]:
         """Dispatch one request as one unit; returns (rows, prompt tokens, replica id).
+        ``raw``: the rows before the model's last step (see ``Work.raw``).
         Running past the caller's shorter deadline counts toward ``consecutive_timeouts`` but
         causes no backoff (R5.5)."""
         deadline, caller_shorter = self._deadline(caller_deadline)
@@ -127,7 +129,7 @@ class DeploymentPool:
         while True:
             replica = self.pick(nbytes, frozenset(tried))
             try:
-                out, tokens = await replica.call(texts, truncate, deadline, field)
+                out, tokens = await replica.call(texts, truncate, deadline, field, raw)
             except ExchangeError as exc:
                 outcome = exc.outcome
                 if outcome is Outcome.TIMEOUT and caller_shorter:

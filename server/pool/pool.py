@@ -108,7 +108,7 @@ def _model_info(dep: DeploymentConfig) -> tuple[ModelInfo, Manifest | None]:
                              None, dep.artifact, dep.revision), None
         raise
     return ModelInfo(served or m.name, dep.artifact, m.task, m.hidden_size, m.labels,
-                     m.revision, m.max_tokens, m.name, dep.revision), m
+                     m.revision, m.max_tokens, m.name, dep.revision, m), m
 
 
 @dataclass

@@ -17,14 +17,15 @@ from vllm_srun.server.worker.trace import current
 OFFLOAD_CHARS = 20_000  # tokenize bigger requests off the event loop
 
 async def run(runner: Runner, texts: list[TextInput], truncate: bool,
-              deadline: float | None, field: str = "input") -> tuple[np.ndarray, int]:
+              deadline: float | None, field: str = "input",
+              raw: bool = False) -> tuple[np.ndarray, int]:
     limit = time.monotonic() + runner.args.timeout_ms / 1000
     deadline = limit if deadline is None else min(deadline, limit)
     if input_chars(texts) > OFFLOAD_CHARS:
         future, tokens = await asyncio.to_thread(runner.submit, texts, truncate, deadline,
-                                                 field)
+                                                 field, raw)
     else:
-        future, tokens = runner.submit(texts, truncate, deadline, field)
+        future, tokens = runner.submit(texts, truncate, deadline, field, raw)
     out = await answer(future, deadline)
     if (trace := current()) is not None:
         trace.note_timing(future.timing)

@@ -81,7 +81,8 @@ def create_worker_app(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) ->
         try:
             order = protocol.Work.decode(await request.body())
             out, tokens = await run(runner, order.texts, order.truncate,
-                                    time.monotonic() + order.timeout_ms / 1000, order.field)
+                                    time.monotonic() + order.timeout_ms / 1000, order.field,
+                                    order.raw)
         except protocol.ProtocolError as exc:
             return _error("invalid_request", str(exc))
         except RuntimeFault as exc:

@@ -7,10 +7,12 @@ HTTP over the worker's owner-only Unix socket (R7.3):
 - ``POST /work``: a JSON :class:`Work` -> ``application/octet-stream`` little-endian float32
   rows, with ``x-rows``, ``x-dim`` and ``x-tokens`` headers; an error is an R7.2 error body.
   A text may be a ``[query, document]`` pair (reranking, R7.4), and ``field`` names the
-  inputs in errors. Per-token answers (token classification) add ``x-len``: the body is
-  ``[x-rows, x-len, x-dim]``, each row zero-padded after its own tokens. The front end's
-  ``x-request-id`` goes with the request (the worker logs under it); an answer the engine ran
-  carries its ``x-queue-ms`` and ``x-forward-ms`` (``trace.py``).
+  inputs in errors; ``raw`` asks for the rows before the model's last step (pooled vectors
+  before its Normalize module, a cross-encoder's logit before its sigmoid). Per-token
+  answers (token classification) add ``x-len``: the body is ``[x-rows, x-len, x-dim]``,
+  each row zero-padded after its own tokens. The front end's ``x-request-id`` goes with the
+  request (the worker logs under it); an answer the engine ran carries its ``x-queue-ms``
+  and ``x-forward-ms`` (``trace.py``).
 - ``GET /threads``: the worker's adaptive-threads report (JSON).
 - ``GET /metrics``: the worker's own Prometheus metrics (forward time by size and count).
 
@@ -73,10 +75,12 @@ class Work:
     truncate: bool
     timeout_ms: int
     field: str = "input"
+    raw: bool = False
 
     def encode(self) -> bytes:
         return orjson.dumps({"texts": self.texts, "truncate": self.truncate,
-                             "timeout_ms": self.timeout_ms, "field": self.field})
+                             "timeout_ms": self.timeout_ms, "field": self.field,
+                             "raw": self.raw})
 
     @classmethod
     def decode(cls, body: bytes) -> Work:
@@ -84,9 +88,10 @@ class Work:
             raw = orjson.loads(body)
             texts, timeout_ms = raw["texts"], int(raw["timeout_ms"])
             truncate, field = bool(raw.get("truncate", False)), str(raw.get("field", "input"))
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            before_last = bool(raw.get("raw", False))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad worker request: {exc!r}") from None
-        return cls(_inputs(texts), truncate, timeout_ms, field)
+        return cls(_inputs(texts), truncate, timeout_ms, field, before_last)
 
 
 def encode_rows(rows: np.ndarray, tokens: int) -> tuple[bytes, dict[str, str]]:

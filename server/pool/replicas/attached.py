@@ -77,10 +77,13 @@ class AttachedReplica(Replica):
     async def probe(self) -> bool:
         return await transport.healthy(self.client)
 
-    async def call(self, texts, truncate, deadline, field="input"):
+    async def call(self, texts, truncate, deadline, field="input", raw=False):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        payload = orjson.dumps({"model": self.model, "input": texts, "truncate": truncate,
-                                "encoding_format": "base64"})
+        order = {"model": self.model, "input": texts, "truncate": truncate,
+                 "encoding_format": "base64"}
+        if raw:  # the vectors before the model's Normalize module
+            order["normalize"] = False
+        payload = orjson.dumps(order)
         resp = await transport.post(self.id, self.client, "/v1/embeddings", payload,
                                     {"content-type": "application/json",
                                      "x-request-timeout-ms": str(remaining_ms)}, deadline)

@@ -109,9 +109,10 @@ class Replica(abc.ABC):
 
     @abc.abstractmethod
     async def call(self, texts: list[TextInput], truncate: bool, deadline: float,
-                   field: str = "input") -> tuple[np.ndarray, int]:
+                   field: str = "input", raw: bool = False) -> tuple[np.ndarray, int]:
         """One exchange: (rows, prompt tokens), or ExchangeError saying how it ended.
-        ``texts`` may hold text pairs (reranking); ``field`` names them in errors."""
+        ``texts`` may hold text pairs (reranking); ``field`` names them in errors; ``raw``
+        asks for the rows before the model's last step (``protocol.Work.raw``)."""
 
     async def threads_report(self) -> dict:
         return {"notes": [f"{self.kind} replicas manage their own threads"]}

@@ -64,12 +64,12 @@ class LocalReplica(Replica):
     async def probe(self) -> bool:
         return self.runner is not None and self.runner.ready
 
-    async def call(self, texts, truncate, deadline, field="input"):
+    async def call(self, texts, truncate, deadline, field="input", raw=False):
         if deadline <= time.monotonic():  # no exchange: it neither counts nor resets (R5.5)
             raise ExchangeError(Outcome.NOT_SENT, "deadline_exceeded",
                                 "deadline passed before the request reached the engine")
         try:
-            return await run(self.runner, texts, truncate, deadline, field)
+            return await run(self.runner, texts, truncate, deadline, field, raw)
         except RuntimeFault as exc:
             outcome = _CODE_TO_OUTCOME.get(exc.code, Outcome.NEUTRAL)
             raise ExchangeError(outcome, exc.code, str(exc)) from None

@@ -124,9 +124,9 @@ class ProcessReplica(Replica):
     async def probe(self) -> bool:
         return await transport.healthy(self.client)
 
-    async def call(self, texts, truncate, deadline, field="input"):
+    async def call(self, texts, truncate, deadline, field="input", raw=False):
         remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        payload = protocol.Work(list(texts), truncate, remaining_ms, field).encode()
+        payload = protocol.Work(list(texts), truncate, remaining_ms, field, raw).encode()
         headers = {"content-type": "application/json"}
         if (trace := current_trace()) is not None:  # the worker logs under the same id
             headers[REQUEST_ID_HEADER] = trace.request_id
