@@ -73,7 +73,9 @@ BAD = [
     (b'{"input": "a", "truncate": "yes"}', 400, "invalid_request"),
     (b'{"input": "a", "model": "nope"}', 404, "model_not_found"),
     (b'{"input": [[101, 102]]}', 422, "unsupported"),
-    (b'{"input": "a", "dimensions": 128}', 422, "unsupported"),
+    (b'{"input": "a", "dimensions": 385}', 400, "invalid_request"),
+    (b'{"input": "a", "dimensions": 0}', 400, "invalid_request"),
+    (b'{"input": "a", "prompt_name": "query"}', 400, "invalid_request"),
     (f'{{"input": "{words(255)}"}}'.encode(), 400, "invalid_request"),
     (("[" + ",".join(['"a"'] * 2049) + "]").join(['{"input": ', "}"]).encode(), 413, "too_large"),
 ]

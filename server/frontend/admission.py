@@ -41,7 +41,9 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class Admission:
-    PATHS = (b"/v1/embeddings", b"/v1/classify", b"/v1/rerank")
+    PATHS = frozenset((b"/v1/embeddings", b"/v1/classify", b"/v1/rerank",  # and R7.5's:
+                       b"/embed", b"/rerank", b"/predict", b"/similarity", b"/embeddings",
+                       b"/classify"))
 
     def __init__(self, saturated: Callable[[], bool], count: Callable[[str], None],
                  allows: Callable[[Headers], bool] | None = None) -> None:

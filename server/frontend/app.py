@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm_srun.runtime.errors import RuntimeFault
+from vllm_srun.server.frontend import infinity, tei
 from vllm_srun.server.frontend.admission import Admission
 from vllm_srun.server.frontend.auth import RequireApiKey
 from vllm_srun.server.frontend.metrics import Metrics
@@ -98,6 +99,8 @@ def create_app(state: ServerState, gate: bool = True):
     app = FastAPI(title="vllm-srun", lifespan=lifespan)
     app.state.server = state
     app.include_router(router)
+    app.include_router(tei.router)  # text-embeddings-inference's routes (R7.5)
+    app.include_router(infinity.router)  # infinity's, where its shapes differ
     app.add_exception_handler(StarletteHTTPException, _http_error)
     gated = state.admission.gate(app) if gate else app
     if state.guard is not None:

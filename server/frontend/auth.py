@@ -27,10 +27,15 @@ def api_key(flag: str | None) -> str | None:
     return key
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs",
+                        "/docs/oauth2-redirect", "/redoc"})
+
+
 class RequireApiKey:
-    """ASGI guard: every ``/v1/`` path needs ``Authorization: Bearer <key>``, compared in
-    constant time. ``/health`` (probes), ``/metrics`` (scrapes) and the OpenAPI document stay
-    open; they carry no inference and no inventory."""
+    """ASGI guard: every path but ``OPEN_PATHS`` (``/v1/...`` and the peers' routes, R7.5)
+    needs ``Authorization: Bearer <key>``, compared in constant time. ``/health`` (probes),
+    ``/metrics`` (scrapes) and the OpenAPI document stay open; they carry no inference and no
+    inventory."""
 
     def __init__(self, app, key: str) -> None:
         self.app = app
@@ -41,7 +46,7 @@ class RequireApiKey:
         return hmac.compare_digest(given, self.expected)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") \
+        if scope["type"] == "http" and _route(scope) not in OPEN_PATHS \
                 and not self.allows(scope["headers"]):
             body = orjson.dumps(error_body(
                 "unauthorized", "missing or wrong API key: send 'Authorization: Bearer "
@@ -53,3 +58,9 @@ class RequireApiKey:
             await send({"type": "http.response.body", "body": body})
             return
         await self.app(scope, receive, send)
+
+
+def _route(scope) -> str:
+    """The path below the app's mount point (Ray Serve's route prefix, if any)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path

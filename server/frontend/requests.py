@@ -40,26 +40,33 @@ def parse(raw: bytes, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        unknown = [".".join(map(str, e["loc"])) for e in errors if e["type"] == "extra_forbidden"]
+        err = errors[0]
         field = str(err["loc"][0]) if err["loc"] else "body"
-        if field == "input":
+        if unknown:
+            msg = (f"unknown field{'s' if len(unknown) > 1 else ''} "
+                   f"{', '.join(repr(u) for u in unknown)}; this route accepts "
+                   f"{sorted(model.model_fields)}")
+        elif field == "input":
             msg = "input must be a string or a non-empty list of strings"
         else:
             msg = f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
         raise ApiError("invalid_request", msg) from None
 
 
-def texts_of(value: object) -> list[str]:
+def texts_of(value: object, field: str = "input") -> list[str]:
+    """The texts of an input field (a string or a list of them), named ``field`` in errors."""
     texts = [value] if isinstance(value, str) else list(value)  # type: ignore[arg-type]
     if not texts:
-        raise ApiError("invalid_request", "input must not be an empty list")
+        raise ApiError("invalid_request", f"{field} must not be an empty list")
     if not all(isinstance(t, str) for t in texts):
         raise ApiError("unsupported", "token-id input is not supported; send text")
     if len(texts) > MAX_INPUTS:
-        raise ApiError("too_large", f"input has {len(texts)} items; limit {MAX_INPUTS}")
+        raise ApiError("too_large", f"{field} has {len(texts)} items; limit {MAX_INPUTS}")
     for i, t in enumerate(texts):
         if not t:
-            raise ApiError("invalid_request", f"input[{i}] is an empty string")
+            raise ApiError("invalid_request", f"{field}[{i}] is an empty string")
     return texts
 
 

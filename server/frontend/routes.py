@@ -18,7 +18,17 @@ from pydantic import BaseModel
 
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.types import Task, TextInput
-from vllm_srun.server.frontend.errors import REPLICA_HEADER, ApiError, http_error
+from vllm_srun.server.frontend.errors import REPLICA_HEADER, ApiError, HttpError, http_error
+from vllm_srun.server.frontend.options import (
+    EmbedOptions,
+    apply_plan,
+    check_direction,
+    class_probabilities,
+    prompt_of,
+    raw_scores_wanted,
+    vector_plan,
+    with_prompt,
+)
 from vllm_srun.server.frontend.requests import (
     M,
     caller_deadline,
@@ -57,9 +67,15 @@ def body_schema(model: type[BaseModel]) -> dict:
         "application/json": {"schema": model.model_json_schema()}}}}
 
 
-async def answer(request: Request, endpoint: str,
-                 work: Callable[[], Awaitable[Response]]) -> Response:
-    """Run one inference handler's work; count its outcome; turn errors into answers."""
+def r7_error(err: HttpError) -> dict:
+    """The R7.2 error body."""
+    return error_body(err.code, err.message)
+
+
+async def answer(request: Request, endpoint: str, work: Callable[[], Awaitable[Response]],
+                 shape: Callable[[HttpError], dict] = r7_error) -> Response:
+    """Run one inference handler's work; count its outcome; turn errors into answers (the
+    body as ``shape`` writes it: a peer's routes answer in the peer's error shape)."""
     metrics = request.app.state.server.metrics
     try:
         response = await work()
@@ -70,16 +86,18 @@ async def answer(request: Request, endpoint: str,
             log.warning("request_failed endpoint=%s code=%s request_id=%s error=%s", endpoint,
                         err.code, trace.request_id if trace else "-", exc)
         metrics.requests.labels(endpoint, err.code).inc()
-        return json_response(error_body(err.code, err.message), err.status, err.headers)
+        return json_response(shape(err), err.status, err.headers)
     metrics.requests.labels(endpoint, "ok").inc()
     return response
 
 
 async def infer(request: Request, dep: DeploymentPool, texts: list[TextInput], truncate: bool,
-                field: str = "input") -> tuple[np.ndarray, int, dict[str, str]]:
+                field: str = "input", raw: bool = False) -> tuple[np.ndarray, int, dict[str, str]]:
     """Dispatch; rows, prompt tokens and the header naming the replica that answered.
-    ``texts`` may hold (query, document) pairs; ``field`` names them in errors."""
-    out, tokens, replica = await dep.infer(texts, truncate, caller_deadline(request), field)
+    ``texts`` may hold (query, document) pairs; ``field`` names them in errors; ``raw`` asks
+    for the rows before the model's last step (Normalize, a CrossEncoder's sigmoid)."""
+    out, tokens, replica = await dep.infer(texts, truncate, caller_deadline(request), field,
+                                           raw)
     return out, tokens, {REPLICA_HEADER: replica}
 
 
@@ -94,7 +112,7 @@ async def read(request: Request, schema: type[M]) -> tuple[M, DeploymentPool]:
     """The request's body, parsed against ``schema``, and the deployment it names."""
     server = request.app.state.server
     body = parse(await read_body(request, server.options.max_body_bytes), schema)
-    return body, server.pool.deployment_for(body.model)
+    return body, server.pool.deployment_for(getattr(body, "model", None))
 
 
 def usage(tokens: int) -> dict:
@@ -106,12 +124,25 @@ def check_task(info: ModelInfo, endpoint: str) -> None:
         raise ApiError("unsupported", wrong)
 
 
-def check_embedder(info: ModelInfo, dimensions: int | None) -> None:
-    check_task(info, "embeddings")
-    if dimensions is not None and info.hidden_size is not None \
-            and dimensions != info.hidden_size:
-        raise ApiError("unsupported", f"dimensions must be {info.hidden_size} for "
-                                      f"{info.name!r}, got {dimensions}")
+async def embed(request: Request, dep: DeploymentPool, texts: list[str], truncate: bool,
+                options: EmbedOptions, field: str = "input") -> tuple[np.ndarray, int, dict]:
+    """The request path of every embeddings route (ours, text-embeddings-inference's,
+    infinity's): the model's prompt before each input, then the vectors as ``options``
+    ask (normalization, Matryoshka dimensions)."""
+    check_task(dep.info, "embeddings")
+    plan = vector_plan(dep.info, options)
+    texts = with_prompt(texts, prompt_of(dep.info, options.prompt_name))
+    vectors, tokens, headers = await infer(request, dep, texts, truncate, field, plan.raw)
+    return apply_plan(vectors, plan), tokens, headers
+
+
+def embedding_data(vectors: np.ndarray, encoding_format: str) -> list[dict]:
+    """OpenAI's ``data``: base64 is the little-endian float32 bytes, as OpenAI sends them."""
+    if encoding_format == "base64":
+        items: list = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+    else:
+        items = list(vectors)
+    return [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(items)]
 
 
 @router.post("/v1/embeddings", openapi_extra=body_schema(EmbeddingsBody))
@@ -119,23 +150,21 @@ async def embeddings(request: Request) -> Response:
     async def work() -> Response:
         body, dep = await read(request, EmbeddingsBody)
         texts = texts_of(body.input)
-        check_embedder(dep.info, body.dimensions)
-        vectors, tokens, headers = await infer(request, dep, texts, body.truncate)
-        if body.encoding_format == "base64":
-            data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
-        else:
-            data = list(vectors)
+        check_direction(body.truncation_direction, body.truncate)
+        vectors, tokens, headers = await embed(
+            request, dep, texts, body.truncate,
+            EmbedOptions(body.normalize, body.dimensions, body.prompt_name))
         return json_response({"object": "list", "model": dep.info.name,
-                              "data": [{"object": "embedding", "index": i, "embedding": e}
-                                       for i, e in enumerate(data)],
+                              "data": embedding_data(vectors, body.encoding_format),
                               "usage": usage(tokens)}, headers=headers)
     return await answer(request, "embeddings", work)
 
 
-def class_scores(logits: np.ndarray, labels: tuple[str, ...], top_k: int | None) -> list[dict]:
-    """Softmax over each row's logits: the best label and the top-k scores, best first."""
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs = shifted / shifted.sum(axis=1, keepdims=True)
+def class_scores(logits: np.ndarray, labels: tuple[str, ...], top_k: int | None,
+                 raw_scores: bool = False) -> list[dict]:
+    """Softmax over each row's logits (``raw_scores``: the logits): the best label and the
+    top-k scores, best first."""
+    probs = class_probabilities(logits, raw_scores)
     k = min(top_k or len(labels), len(labels))
     out = []
     for i, p in enumerate(probs):
@@ -151,12 +180,13 @@ async def classify(request: Request) -> Response:
         body, dep = await read(request, ClassifyBody)
         texts = texts_of(body.input)
         check_task(dep.info, "classify")
+        check_direction(body.truncation_direction, body.truncate)
         logits, tokens, headers = await infer(request, dep, texts, body.truncate)
         if dep.info.task is Task.TOKEN_CLASSIFY:  # entity spans per input (R7.4)
             data = await off_loop(sum(len(t) for t in texts), entities_answer, dep.info,
                                   texts, body.truncate, logits)
         else:
-            data = class_scores(logits, dep.info.labels, body.top_k)
+            data = class_scores(logits, dep.info.labels, body.top_k, body.raw_scores)
         return json_response({"object": "list", "model": dep.info.name, "data": data,
                               "usage": usage(tokens)}, headers=headers)
     return await answer(request, "classify", work)
@@ -168,10 +198,11 @@ async def rerank(request: Request) -> Response:
     request go to one replica as one unit."""
     async def work() -> Response:
         body, dep = await read(request, RerankBody)
-        pairs = rerank_pairs(body)
+        pairs = rerank_pairs(body.query, body.documents)
         check_task(dep.info, "rerank")
-        scores, tokens, headers = await infer(request, dep, pairs, body.truncate,
-                                              field="documents")
+        check_direction(body.truncation_direction, body.truncate)
+        scores, tokens, headers = await infer(request, dep, pairs, body.truncate, "documents",
+                                              raw_scores_wanted(dep.info, body.raw_scores))
         return json_response(rerank_answer(dep.info.name, body, pairs, scores, tokens),
                              headers=headers)
     return await answer(request, "rerank", work)

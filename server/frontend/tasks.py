@@ -34,20 +34,20 @@ def task_mismatch(model: str, task: Task, endpoint: str) -> str | None:
     return f"model {model!r} is {_KIND[task]}; use {_ENDPOINT_OF[task]}"
 
 
-def rerank_pairs(body: RerankBody) -> list[tuple[str, str]]:
-    """One (query, document) row per document, validated; errors name the field."""
-    if not body.query:
+def rerank_pairs(query: str, documents: list, field: str = "documents") -> list[tuple[str, str]]:
+    """One (query, document) row per document (a string or ``{"text"}``), validated; errors
+    name the field (``documents``, or text-embeddings-inference's ``texts``)."""
+    if not query:
         raise ApiError("invalid_request", "query must not be an empty string")
-    if not body.documents:
-        raise ApiError("invalid_request", "documents must not be an empty list")
-    if len(body.documents) > MAX_INPUTS:
-        raise ApiError("too_large", f"documents has {len(body.documents)} items; "
-                                    f"limit {MAX_INPUTS}")
-    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    if not documents:
+        raise ApiError("invalid_request", f"{field} must not be an empty list")
+    if len(documents) > MAX_INPUTS:
+        raise ApiError("too_large", f"{field} has {len(documents)} items; limit {MAX_INPUTS}")
+    texts = [d if isinstance(d, str) else d.text for d in documents]
     for i, t in enumerate(texts):
         if not t:
-            raise ApiError("invalid_request", f"documents[{i}] is an empty string")
-    return [(body.query, t) for t in texts]
+            raise ApiError("invalid_request", f"{field}[{i}] is an empty string")
+    return [(query, t) for t in texts]
 
 
 def rerank_answer(model: str, body: RerankBody, pairs: list[tuple[str, str]],
