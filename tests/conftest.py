@@ -175,6 +175,22 @@ modernbert_token_classifier_dir = _tiny_model("modernbert_token_classifier", "mo
 modernbert_classifier_dir = _tiny_model("modernbert_classifier", "modernbert-intent")
 
 
+@pytest.fixture(scope="session")
+def cross_encoder_server(cross_encoder_dir):
+    """``vllm-srun serve`` of the tiny cross-encoder (R7.4, R7.5's rerank routes)."""
+    server = Server(str(cross_encoder_dir), "--threads", "1").wait_ready()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def classifier_server(classifier_dir):
+    """``vllm-srun serve`` of the tiny sequence classifier (R7.5's predict/classify)."""
+    server = Server(str(classifier_dir), "--threads", "1").wait_ready()
+    yield server
+    server.close()
+
+
 # -- helpers shared by several test modules (no test module imports another) ----------------
 
 def poll(predicate, timeout_s: float = 60.0, step_s: float = 0.01):

@@ -22,10 +22,8 @@ NER_TEXTS = ["Maria lives in Berlin and São Paulo, which is unaffordable.", "he
 
 
 @pytest.fixture(scope="module")
-def rerank_server(cross_encoder_dir):
-    server = Server(str(cross_encoder_dir), "--threads", "1").wait_ready()
-    yield server
-    server.close()
+def rerank_server(cross_encoder_server):
+    return cross_encoder_server  # one server of the cross-encoder per test session
 
 
 @pytest.fixture(scope="module")
