@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,28 @@ def test_tokenizer_refuses_or_cuts_over_the_limit():
     cut = tok.encode([words(300)], truncate=True)[0]
     assert len(cut) == 256 and cut[-1] == 102
     assert len(tok.encode([words(200)])[0]) == 202  # shipped fixed padding is off
+
+
+def _prompted(folder, config) -> str:
+    """L6's files (linked) with this config_sentence_transformers.json."""
+    src = resolve(L6).path
+    folder.mkdir()
+    for path in (p for p in Path(src).iterdir()
+                 if p.name != "config_sentence_transformers.json"):
+        (folder / path.name).symlink_to(path)
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_prompts_of_the_sentence_transformers_config_are_read_and_checked(tmp_path):
+    """R7.5: ``prompts`` and ``default_prompt_name`` reach the manifest; a default that is
+    not one of the prompts, or a prompt that is not text, is refused naming the key."""
+    assert (resolve(L6).prompts, resolve(L6).default_prompt_name) == ((), None)
+    m = resolve(_prompted(tmp_path / "ok", {"prompts": {"query": "query: ", "doc": ""},
+                                            "default_prompt_name": "query"}))
+    assert (m.prompts, m.default_prompt_name) == ((("query", "query: "), ("doc", "")), "query")
+    with pytest.raises(ArtifactError, match="default_prompt_name 'passage' is not one of"):
+        resolve(_prompted(tmp_path / "bad-default", {"prompts": {"query": "q: "},
+                                                     "default_prompt_name": "passage"}))
+    with pytest.raises(ArtifactError, match="prompts must map names to prompt texts"):
+        resolve(_prompted(tmp_path / "bad-prompt", {"prompts": {"query": 3}}))

@@ -267,3 +267,64 @@ def test_predict_on_a_classifier_answers_every_label_best_first(classifier_serve
     assert v1_raw["data"][0]["scores"] == raw
     tei_error(c.post("/predict", json={"inputs": ["a", "b", "c"]}), 400, "pair")
     tei_error(c.post("/predict", json={"inputs": [["a", "b", "c"]]}), 400, "inputs[0]")
+
+
+@pytest.mark.parametrize("model", ["l6", "cross_encoder"])
+def test_one_forward_answers_raw_and_finished_rows_each_as_asked(model, cross_encoder_dir):
+    """A forward mixing rows asked raw (``normalize: false``, ``raw_scores``) with others
+    answers each as asked: a finished row is bit for bit what a forward without raw rows
+    gives; a raw row is the value before the model's last step (Normalize, sigmoid)."""
+    from vllm_srun.runtime.backend import load_backend
+    from vllm_srun.runtime.engine import pad
+    from vllm_srun.runtime.pooling import l2_normalize
+    from vllm_srun.runtime.tokenizer import Tokenizer
+
+    manifest = resolve(L6 if model == "l6" else str(cross_encoder_dir))
+    backend = load_backend(manifest, "torch")
+    tok = Tokenizer(manifest.tokenizer_path, manifest.max_tokens)
+    items = ["first row", "the second, longer row", "third"] if model == "l6" else \
+        [("q", "first row"), ("q", "the second, longer row"), ("q", "third")]
+    rows = tok.rows(items)
+    finished = backend.forward(pad(rows.ids, rows.type_ids), 1).outputs
+    mixed = backend.forward(pad(rows.ids, rows.type_ids, [False, True, False]), 1).outputs
+    assert np.array_equal(mixed[[0, 2]], finished[[0, 2]])
+    if model == "l6":
+        assert np.linalg.norm(mixed[1]) > 1.5
+        assert np.abs(l2_normalize(mixed[1:2]) - finished[1:2]).max() < 1e-6
+    else:
+        assert manifest.sigmoid and abs(1 / (1 + np.exp(-mixed[1, 0])) - finished[1, 0]) < 1e-6
+    backend.close()
+
+
+def test_the_api_key_guards_the_peers_routes_too():
+    """With a key set, every path but /health, /metrics and the OpenAPI pages needs it:
+    TEI's and infinity's inference routes as much as /v1's (also below a mount prefix)."""
+    import asyncio
+
+    from vllm_srun.server.frontend.auth import RequireApiKey
+
+    reached = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    guard = RequireApiKey(inner, "s3cret-key-for-tests")
+
+    def status(path: str, root: str = "", key: bool = False) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", b"Bearer s3cret-key-for-tests")] if key else []
+        before = len(reached)
+        asyncio.run(guard({"type": "http", "path": root + path, "root_path": root,
+                           "headers": headers}, None, send))
+        return 200 if len(reached) > before else sent[0]["status"]
+
+    for path in ("/embed", "/rerank", "/predict", "/similarity", "/tokenize", "/decode",
+                 "/info", "/embeddings", "/classify", "/models", "/v1/embeddings"):
+        assert (status(path), status(path, "/prefix"), status(path, key=True)) == \
+            (401, 401, 200), path
+    for path in ("/health", "/metrics", "/openapi.json", "/docs"):
+        assert (status(path), status(path, "/prefix")) == (200, 200), path
