@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServerOptions:
     max_body_bytes: int = 4 * 1024 * 1024
-    api_key: str | None = None  # Bearer key for /v1/* (None: open)
+    api_key: str | None = None  # Bearer key for all but /health, /metrics, docs (None: open)
 
 
 class ServerState:

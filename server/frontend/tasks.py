@@ -66,7 +66,7 @@ def rerank_answer(model: str, body: RerankBody, pairs: list[tuple[str, str]],
 
 
 @functools.lru_cache(maxsize=16)
-def _span_tokenizer(artifact: str, hub_revision: str | None,
+def front_tokenizer(artifact: str, hub_revision: str | None,
                     revision: str | None) -> tuple[Tokenizer, int | None]:
     """The deployment's tokenizer (offsets, special-token mask, decoder) and unknown-token
     id, loaded once per artifact revision in the front end."""
@@ -86,7 +86,7 @@ def _span_tokenizer(artifact: str, hub_revision: str | None,
 def entities_answer(info, texts: list[str], truncate: bool, logits: np.ndarray) -> list[dict]:
     """Per input, its entity spans from the worker's per-token logits [rows, tokens, labels].
     The front end tokenizes again (same tokenizer, same truncation) for character offsets."""
-    tokenizer, unk_id = _span_tokenizer(info.artifact, info.hub_revision, info.revision)
+    tokenizer, unk_id = front_tokenizer(info.artifact, info.hub_revision, info.revision)
     encodings = tokenizer.encodings(texts, truncate)
     data = []
     for i, (text, enc) in enumerate(zip(texts, encodings, strict=True)):

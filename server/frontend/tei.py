@@ -11,6 +11,7 @@ the R7.2 status and code, in TEI's body: ``{"error": message, "error_type": ...,
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 
 import numpy as np
@@ -19,6 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from vllm_srun.runtime.tasks import rerank_order
+from vllm_srun.runtime.tokenizer import Tokenizer
 from vllm_srun.runtime.types import Task, TextInput
 from vllm_srun.server.frontend import infinity
 from vllm_srun.server.frontend.errors import ApiError, HttpError
@@ -41,7 +43,7 @@ from vllm_srun.server.frontend.routes import (
     read,
 )
 from vllm_srun.server.frontend.schemas import MAX_INPUTS, Direction
-from vllm_srun.server.frontend.tasks import rerank_pairs
+from vllm_srun.server.frontend.tasks import front_tokenizer, rerank_pairs
 from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
 from vllm_srun.server.pool.dispatch import MAX_IN_FLIGHT
 from vllm_srun.server.pool.errors import PoolError
@@ -199,11 +201,14 @@ def predict_inputs(inputs: str | list) -> tuple[list[TextInput], bool]:
     """TEI's PredictInput: a string, a pair of strings, or a batch of one- or two-string
     lists. Returns the rows and whether the request was a batch."""
     if isinstance(inputs, str):
+        if not inputs:
+            raise ApiError("invalid_request", "inputs is an empty string")
         return [inputs], False
     if inputs and all(isinstance(x, str) for x in inputs):
-        if len(inputs) != 2:
-            raise ApiError("invalid_request", "inputs: a list of strings is one pair and must "
-                                              "hold 2; send a batch as a list of lists")
+        if len(inputs) != 2 or not all(inputs):
+            raise ApiError("invalid_request", "inputs: a list of strings is one pair of 2 "
+                                              "non-empty strings; send a batch as a list of "
+                                              "lists")
         return [(inputs[0], inputs[1])], False
     if not inputs:
         raise ApiError("invalid_request", "inputs must not be an empty list")
@@ -223,8 +228,6 @@ async def predict(request: Request) -> Response:
     async def work() -> Response:
         body, dep = await read(request, PredictBody)
         rows, batch = predict_inputs(body.inputs)
-        if not all(rows):
-            raise ApiError("invalid_request", "inputs is an empty string")
         _check_task(dep.info, (Task.CLASSIFY, Task.RERANK), "/predict")
         truncate = bool(body.truncate)
         check_direction(body.truncation_direction, truncate)
@@ -244,14 +247,15 @@ def _predictions(scores: np.ndarray, labels: tuple[str, ...]) -> list[list[dict]
              for j in np.argsort(-row, kind="stable")] for row in scores]
 
 
-def _tokenizer(info: ModelInfo):
-    """The deployment's tokenizer in the front end (loaded once per revision)."""
-    from vllm_srun.server.frontend.tasks import _span_tokenizer
-
+async def _tokenizer(info: ModelInfo) -> Tokenizer:
+    """The deployment's tokenizer in the front end (loaded once per revision, off the
+    event loop)."""
     if info.manifest is None:
         raise ApiError("unsupported", f"deployment of {info.name!r} is served by attached "
                                       "endpoints only: its tokenizer is not here")
-    return _span_tokenizer(info.artifact, info.revision)[0]
+    tokenizer, _ = await asyncio.to_thread(front_tokenizer, info.artifact, info.hub_revision,
+                                          info.revision)
+    return tokenizer
 
 
 def simple_tokens(text: str, encoding) -> list[dict]:
@@ -280,7 +284,7 @@ async def tokenize(request: Request) -> Response:
         body, dep = await read(request, TokenizeBody)
         texts = texts_of(body.inputs, "inputs")
         texts = with_prompt(texts, prompt_of(dep.info, body.prompt_name))
-        tokenizer = await off_loop(1 << 30, _tokenizer, dep.info)
+        tokenizer = await _tokenizer(dep.info)
         encodings = await off_loop(sum(map(len, texts)), tokenizer.plain, texts,
                                    body.add_special_tokens)
         return json_response([simple_tokens(t, e) for t, e in zip(texts, encodings,
@@ -297,12 +301,13 @@ async def decode(request: Request) -> Response:
             raise ApiError("invalid_request", "ids must not be empty")
         if len(seqs) > MAX_INPUTS:
             raise ApiError("too_large", f"ids has {len(seqs)} sequences; limit {MAX_INPUTS}")
-        tokenizer = await off_loop(1 << 30, _tokenizer, dep.info)
+        tokenizer = await _tokenizer(dep.info)
         vocab = tokenizer.vocab_size
         for i, seq in enumerate(seqs):
-            if bad := next((t for t in seq if not 0 <= t < vocab), None):
-                raise ApiError("invalid_request", f"ids{'' if seqs is not body.ids else f'[{i}]'}"
-                                                  f" holds {bad}, not a token id of "
+            bad = next((t for t in seq if not 0 <= t < vocab), None)
+            if bad is not None:
+                where = f"ids[{i}]" if seqs is body.ids else "ids"
+                raise ApiError("invalid_request", f"{where} holds {bad}, not a token id of "
                                                   f"{dep.info.name!r} (0 to {vocab - 1})")
         return json_response(tokenizer.decode(seqs, body.skip_special_tokens))
     return await answer(request, "decode", work, tei_error)
