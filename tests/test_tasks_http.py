@@ -208,3 +208,20 @@ def test_xlm_roberta_embeds_over_a_worker(task_server, xlmr_dir):
     ours = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
     theirs = SentenceTransformer(str(xlmr_dir), device="cpu").encode(texts, batch_size=1)
     assert np.abs(ours - theirs).max() < 1e-5
+
+
+def test_raw_scores_cross_the_worker_wire_and_token_classifiers_refuse_them(task_server):
+    """R7.5 over managed worker processes: ``raw_scores`` asks the worker for the
+    cross-encoder's logit (its sigmoid is the default score); on a token classifier it is
+    refused, naming the field."""
+    c = task_server.client
+    body = {"model": "ce", "query": QUERY, "documents": DOCUMENTS}
+    scores = {r["index"]: r["relevance_score"]
+              for r in c.post("/v1/rerank", json=body).json()["results"]}
+    raw = {r["index"]: r["relevance_score"]
+           for r in c.post("/v1/rerank", json={**body, "raw_scores": True}).json()["results"]}
+    assert max(abs(1 / (1 + np.exp(-raw[i])) - scores[i]) for i in scores) < 1e-6
+    assert max(abs(raw[i]) for i in raw) > 1.0  # logits, not probabilities
+    status, code, message = error_of(c.post("/v1/classify", json={
+        "model": "ner", "input": "Maria", "raw_scores": True}))
+    assert (status, code) == (422, "unsupported") and "raw_scores" in message

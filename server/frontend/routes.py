@@ -181,6 +181,9 @@ async def classify(request: Request) -> Response:
         texts = texts_of(body.input)
         check_task(dep.info, "classify")
         check_direction(body.truncation_direction, body.truncate)
+        if body.raw_scores and dep.info.task is Task.TOKEN_CLASSIFY:
+            raise ApiError("unsupported", "raw_scores: entity spans of a token classifier are "
+                                          "scored by probability; leave it out")
         logits, tokens, headers = await infer(request, dep, texts, body.truncate)
         if dep.info.task is Task.TOKEN_CLASSIFY:  # entity spans per input (R7.4)
             data = await off_loop(sum(len(t) for t in texts), entities_answer, dep.info,
