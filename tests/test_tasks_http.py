@@ -225,3 +225,24 @@ def test_raw_scores_cross_the_worker_wire_and_token_classifiers_refuse_them(task
     status, code, message = error_of(c.post("/v1/classify", json={
         "model": "ner", "input": "Maria", "raw_scores": True}))
     assert (status, code) == (422, "unsupported") and "raw_scores" in message
+
+
+def test_normalize_and_dimensions_on_a_model_without_a_normalize_module(task_server):
+    """R7.5 on an embedder whose modules do not normalize (ModernBERT, mean pooling):
+    ``normalize: true`` L2-normalizes its vectors, ``false`` is its own answer; a cut by
+    ``dimensions`` is normalized again only when the vector is (``normalize: true``)."""
+    c = task_server.client
+
+    def vectors(**extra) -> np.ndarray:
+        r = c.post("/v1/embeddings", json={"model": "mb", "input": NER_TEXTS, **extra})
+        assert r.status_code == 200, r.text
+        return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+
+    own = vectors()
+    assert np.abs(np.linalg.norm(own, axis=1) - 1).max() > 1e-2  # not unit vectors
+    assert np.array_equal(vectors(normalize=False), own)
+    unit = own / np.linalg.norm(own, axis=1, keepdims=True)
+    assert np.abs(vectors(normalize=True) - unit).max() < 1e-6
+    assert np.array_equal(vectors(dimensions=16), own[:, :16])
+    cut = own[:, :16] / np.linalg.norm(own[:, :16], axis=1, keepdims=True)
+    assert np.abs(vectors(dimensions=16, normalize=True) - cut).max() < 1e-6
