@@ -1,70 +1,74 @@
-"""Adaptive threads under load, over HTTP with wrk: every server alone, one after another, in
-one run, with the targets of the adaptive-threads work judged side by side at the end.
+"""Adaptive threads under load, over HTTP: every server alone, one after another, in one run,
+with the targets of the adaptive-threads work judged on intervals at the end (SPEC R8.2).
 
-    python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--learn-seconds 60]
-                                  [--max-num-batched-tokens 512]
-                                  [--only levels oracle neighbour phases p99]
-                                  [--p99-rounds 6] [--p99-seconds 20]
-                                  [--quick] [--voucher PATH]
-                                  [--out bench/results/adaptive_load.json]
+    python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--rounds 10]
+                                  [--learn-seconds 60] [--max-num-batched-tokens 512]
+                                  [--only levels oracle neighbour phases steady regret]
+                                  [--steady-seconds 120] [--window-seconds 10]
+                                  [--steady-rounds 6] [--regret-seconds 120]
+                                  [--regret-share 0.6] [--regret-rounds 6]
+                                  [--connections 64] [--quick] [--no-verify]
+                                  [--voucher PATH] [--out bench/results/adaptive_load.json]
 
 Servers (``vllm-srun serve``, all with ``--max-num-seqs 32`` and the same
 ``--max-num-batched-tokens``): fixed 1 thread (the default on this 2-core host: learning
 off), fixed 2 threads, mode 1 and mode 2 (``VLLM_SRUN_CPU_ADAPTIVE_THREADS``; counts 1 and 2
-on this host), and in ``levels`` a second fixed 1 (``fixed 1 again``: the null check, whose
-p99 over fixed 1's is the noise of this run's p99 ratios). Each adaptive server gets a fresh
-host record with nothing learned in it (mode 2's is a copy of one record that ``threads
-verify`` vouched for over exactly those batch limits: the sweep takes minutes and writes
-only the voucher, so it runs once), first learns from bursts of traffic at 1 and at 16
-connections with 1 s pauses (``--learn-seconds`` in all), then is measured; what it learned
-(``GET /v1/threads``) is printed after its run. Bodies are unique (the result cache never
-answers) and mixed: 70% short (~6 words), 25% passages (~40), 5% long (~150). Every server
-of a round gets the same requests at the same pace (one wrk seed per round and level: common
-random numbers).
+on this host), and ``fixed 1 again``, a second fixed 1: the null check, in every section.
+Each adaptive server gets a fresh host record with nothing learned in it (mode 2's is a copy
+of one record that ``threads verify`` vouched for over exactly those batch limits: the sweep
+takes minutes and writes only the voucher, so it runs once; ``--no-verify``, and ``--quick``,
+skip it, and mode 2 then acts as mode 1 and says so in its report). In ``levels``,
+``oracle`` and ``neighbour`` an adaptive server first learns from bursts of traffic at 1 and
+16 connections with 1 s pauses (``--learn-seconds`` in all); in ``steady`` and ``regret`` it
+learns under the measured load itself, from its first second.
 
-Servers of a section are all up at once (the adaptive ones learn one after another while the
-others idle) and every level is measured in ``--rounds`` interleaved rounds, each server once
-per round in a rotating order, so the shared host's drift between minutes falls on all of
-them alike; tables show each server's median over the rounds.
+Every level is measured in ``--rounds`` paired rounds (default 10), each server once per
+round in a rotating order (backwards every other round), every server of a round with the
+same requests at the same times (one seed per round and level: common random numbers), so a
+drift of the shared host between rounds falls on all of them alike and cancels in a paired
+ratio.
 
 Sections (``--only``):
 
-- ``levels``: capacity = the learning-off server's req/s at 16 closed-loop connections; then
-  every server at closed-loop 1 and 16 connections and at Poisson arrivals of 30/60/90% of
-  capacity. Poisson is approximate: 64 connections each wait an exponential think time of
-  mean 64/rate (wrk's ``delay()``) before each request, but a connection also waits for its
-  answer, so the achieved rate sits below the target (both are shown) and arrivals are not
-  quite independent of the server.
-- ``oracle``: per *length class* alone (short, passage, long), every server at 1
-  connection (mean latency, wrk's ``latency.mean``); the oracle's mean is 0.70*min(short) +
-  0.25*min(passage) + 0.05*min(long) over fixed 1 and fixed 2, compared with each server's
-  class means weighted the same way (oracle/server, 1.0 = as good as always picking the
-  better fixed count per class; the mixed run's mean is shown too, but a mix is slower than
-  its classes alone, so it is not compared with the oracle). This is a per-length-class
-  oracle, not per padded-token range (what the tuner chooses by): a class's requests fall in
-  more than one range, so the tuner can beat it.
+- ``levels``: capacity = fixed 1's req/s at 16 closed-loop connections; every server at
+  closed-loop 1 and 16 connections (wrk: latency from each request's actual send, as a
+  closed loop has it) and at Poisson arrivals of 30/60/90% of capacity, open loop
+  (``bench/openloop.c``: a schedule fixed by the round's seed, the round's bodies file, at
+  most ``--connections`` connections; latency from each request's scheduled send time, so a
+  queue that builds shows in it; raw latencies kept, so p99 pools every request of the rounds).
+- ``oracle``: per length class alone (short, passage, long), every server at 1 connection
+  (mean latency); the oracle's mean is the better fixed count per class weighted by the mix,
+  over each server's class means weighted the same way (a per-length-class oracle, not per
+  padded-token range: ``regret`` has that one).
 - ``neighbour``: a CPU hog of one core (``sha256sum /dev/zero``) stopped and continued every
-  2 s (on half the time) while fixed 1, fixed 2 and mode 2 (a fresh record, learning with the
-  neighbour present) are measured at 16 and at 1 connection.
-- ``phases``: fixed 1 and fixed 2 with that neighbour stopped, then running throughout, at
-  16 and 1 connection. The per-phase oracle (the better fixed count in each phase, half the
-  time each, in req/s) says what following the toggling neighbour could gain over fixed 2
-  and, beside the ``neighbour`` section in the same run, how much of it mode 2 got.
-- ``p99``: the learning-cost target alone, where its noise is largest: fixed 1, ``fixed 1
-  again`` and mode 1 at the three Poisson levels, ``--p99-rounds`` rounds of
-  ``--p99-seconds`` (default 6 of 20 s: 120 s per server and level, against ``levels``' 36
-  s, so its pooled p99 rests on over three times the slowest requests).
+  2 s while fixed 1, fixed 2, fixed 1 again and mode 2 (learning beside the neighbour) are
+  measured at 16 and at 1 connection.
+- ``phases``: fixed 1 and fixed 2 with that neighbour stopped, then running throughout: the
+  per-phase oracle says what following the neighbour could gain over fixed 2.
+- ``steady`` (new): no learning phase. Per round (``--steady-rounds``), a fresh mode 2 and the
+  fixed servers each at 16 closed-loop connections for ``--steady-seconds`` in consecutive
+  ``--window-seconds`` windows (wrk): does mode 2, learning from a fresh record under steady
+  load, reach the best fixed count, and how fast (the windows' req/s are printed per round).
+- ``regret`` (new): per round (``--regret-rounds``), one open-loop trace at ``--regret-share``
+  of capacity for ``--regret-seconds`` (the same bodies file and schedule for every server)
+  sent to fixed 1, fixed 2, fixed 1 again and a fresh mode 2 (no learning phase); each
+  server's served forward time per padded-token range over the trace is read from
+  ``/metrics`` (``vllm_srun_forward_seconds`` sum and count per ``size_range``, all thread
+  counts). The per-range oracle runs mode 2's forwards of each range at the mean forward time
+  of the fixed count fastest in that range over the same trace; regret is mode 2's total
+  served seconds, learning included, over the oracle's.
 
-Read the tables as one run on a shared machine: req/s counts every completed response,
-non-2xx ones (429 overload, 504 deadline) included and also shown apart; p50/p99/mean are
-wrk's over all responses. The targets table is met/missed for this run only, on the medians;
-beside it, each target as paired ratios (round by round, against the other server's figure
-in the same round: the two ran within a minute of each other) with their median and how
-many rounds met the goal, and, for the p99 targets, the ratio of each server's p99 over the
-requests of all its rounds pooled (from wrk's 90-100% quantiles per run: an 8-s run's p99
-rests on a handful of requests). A noisy host (other jobs, the neighbour) moves fixed counts by
-large factors between minutes, so repeat before drawing conclusions. Results go to
-``--out`` as JSON (NaN written as null).
+The ``p99`` section of earlier versions is gone: ``levels`` now measures the Poisson levels
+open-loop in 10 rounds, pools every request's latency and gives the p99 ratio an interval.
+
+Targets: every ratio is a paired ratio per round (the median of the per-round ratios, or for
+p99 at the open-loop levels and for totals the ratio of figures pooled over rounds) with a
+percentile-bootstrap 95% interval over rounds (``bench.stats``, fixed seed), judged "met"
+only when the whole interval clears the goal, "missed" when the whole interval is on the
+wrong side, "unresolved" otherwise (and always below 6 rounds: ``bench.stats.MIN_ROUNDS``,
+so ``--quick``'s 2 rounds judge nothing); beside it, the same ratio for fixed 1 again over fixed 1
+(the null check: what two identical servers differ by in this run). Read every figure as one
+run on a shared machine. Results go to ``--out`` as JSON (NaN written as null).
 """
 
 from __future__ import annotations
@@ -88,30 +92,19 @@ import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.adaptive_wrk import (
-    LEARNING,
-    MIX,
-    Server,
-    learn,
-    lua,
-    pooled_percentile,
-    range_states,
-    threads_summary,
-    verify,
-    wrk,
-)
+from bench import adaptive_learning, load_targets, openloop
+from bench.adaptive_learning import MODE2
+from bench.adaptive_wrk import LEARNING, MIX, Server, learn, lua, threads_summary, verify, wrk
+from bench.load_trace import write_bodies
 
-SECTIONS = ("levels", "oracle", "neighbour", "phases", "p99")
+SECTIONS = ("levels", "oracle", "neighbour", "phases", "steady", "regret")
 POISSON = (0.3, 0.6, 0.9)
-POISSON_CONNS = 64
 # name, extra flags, learning mode
 SERVERS = (("fixed 1", [], None), ("fixed 2", ["--threads", "2"], None),
            ("mode 1", [], "1"), ("mode 2", [], "2"))
-# the levels' null check: a second server just like fixed 1, whose p99 over fixed 1's is the
-# noise a p99 ratio of this run carries (two such servers differed by up to 21%, pooled over
-# four 10-s rounds at 60% of capacity, with the same requests at the same pace)
+# the null check: a second server just like fixed 1 (two such servers' pooled p99 differed
+# by 0.79-1.37x over 3 rounds x 10 s on this host: FACTS.md), in every section
 AGAIN = ("fixed 1 again", [], None)
-P99 = " (p99 section)"  # the p99 section's rounds: longer runs, more of them
 
 
 @contextmanager
@@ -166,404 +159,405 @@ def md(head: list[str], rows: list[list]) -> str:
                      + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
 
 
-def main() -> None:
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="all-MiniLM-L6-v2")
-    p.add_argument("--seconds", type=float, default=12, help="per measured level")
+    p.add_argument("--seconds", type=float, default=12, help="per server, level and round")
+    p.add_argument("--rounds", type=int, default=10, help="paired rounds per level")
     p.add_argument("--learn-seconds", type=float, default=60, help="learning phase, in all")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
-    p.add_argument("--p99-rounds", type=int, default=6, help="rounds per level, p99 section")
-    p.add_argument("--p99-seconds", type=float, default=20, help="per run, p99 section")
-    p.add_argument("--quick", action="store_true", help="smoke pass: 2 s levels, 6 s learning")
+    p.add_argument("--steady-seconds", type=float, default=120, help="per server and round")
+    p.add_argument("--window-seconds", type=float, default=10, help="steady: one window")
+    p.add_argument("--steady-rounds", type=int, default=6, help="6: the fewest that judge")
+    p.add_argument("--regret-seconds", type=float, default=120, help="the trace's length")
+    p.add_argument("--regret-share", type=float, default=0.6, help="trace rate / capacity")
+    p.add_argument("--regret-rounds", type=int, default=6, help="6: the fewest that judge")
+    p.add_argument("--connections", type=int, default=64, help="open loop: at most this many")
+    p.add_argument("--quick", action="store_true", help="smoke pass: every section for a few "
+                   "seconds, 2 rounds, no voucher sweep (flags given beside it win)")
+    p.add_argument("--no-verify", action="store_true", help="no `threads verify` sweep: mode 2 "
+                   "starts without a voucher (it then acts as mode 1)")
     p.add_argument("--voucher", help="a record that `threads verify` vouched for with the same "
-                   "model and batch limits: reused if it exists, made there if not (the sweep "
-                   "takes minutes)")
+                   "model and batch limits: reused if it exists, made there if not (minutes)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_load.json"))
-    args = p.parse_args()
-    if args.quick:
-        args.seconds, args.learn_seconds, args.rounds = 2, 6, 1
-        args.p99_seconds, args.p99_rounds = 2, 1
-    if not shutil.which("wrk"):
-        sys.exit("wrk (the C HTTP load generator) is not installed: apt-get install wrk")
-    if {"neighbour", "phases"} & set(args.only) and not shutil.which("sha256sum"):
-        sys.exit("sha256sum (coreutils) is needed for the neighbour section")
-    limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
-              str(args.max_num_batched_tokens)]
-    tmp = Path(tempfile.mkdtemp(prefix="adaptive-load-"))
+    if "--quick" in (sys.argv[1:] if argv is None else argv):  # its defaults; flags win
+        p.set_defaults(seconds=2, learn_seconds=6, rounds=2, steady_seconds=4,
+                       window_seconds=2, steady_rounds=2, regret_seconds=3, regret_rounds=2)
+    args = p.parse_args(argv)
+    args.no_verify = args.no_verify or (args.quick and not args.voucher)
+    for key in ("seconds", "learn_seconds", "steady_seconds", "window_seconds",
+                "regret_seconds", "regret_share"):
+        if not getattr(args, key) > 0:
+            p.error(f"--{key.replace('_', '-')} must be > 0")
+    for key in ("rounds", "steady_rounds", "regret_rounds", "connections"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1")
+    return args
 
-    def script(name: str, **kw) -> str:
-        path = tmp / f"{name}.lua"
-        path.write_text(lua(args.model, **kw))
+
+class Bench:
+    """One run: its servers, its rounds (``out["rounds"][server][level]``: one dict per
+    round), the open-loop latencies of every round (``raw``, in memory only)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
+                       str(args.max_num_batched_tokens)]
+        self.tmp = Path(tempfile.mkdtemp(prefix="adaptive-load-"))
+        self.mixed = self.script("mixed")
+        self.per_class = {c: self.script(c, mix=((c, 1.0, w),)) for c, _, w in MIX}
+        self.voucher = Path(args.voucher) if args.voucher else self.tmp / "voucher.sqlite"
+        self.raw: dict[str, dict[str, list[list[float]]]] = {}
+        self.out = {"meta": {**vars(args), "cpus": os.cpu_count(),
+                             "loadavg_start": os.getloadavg(),
+                             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                    "capacity_rps": None, "levels": {}, "levels_order": [], "oracle": {},
+                    "neighbour": {}, "phases": {}, "phase_oracle": {}, "threads": {},
+                    "rounds": {}, "steady_rounds": [], "regret_rounds": [], "failures": {}}
+
+    def script(self, name: str, **kw) -> str:
+        path = self.tmp / f"{name}.lua"
+        path.write_text(lua(self.args.model, **kw))
         return str(path)
 
-    mixed = script("mixed")
-    per_class = {name: script(name, mix=((name, 1.0, words),)) for name, _, words in MIX}
-
-    voucher = Path(args.voucher) if args.voucher else tmp / "voucher.sqlite"
-    vouched = voucher.with_name(voucher.name + ".ok")  # the sweep finished
-
-    def vouch() -> None:
+    def vouch(self) -> None:
         """``threads verify`` once (minutes) into a record that holds only the voucher."""
-        if not vouched.exists():
-            for old in voucher.parent.glob(voucher.name + "*"):  # a failed sweep's leftovers
-                old.unlink()
-            t0 = time.monotonic()
-            print("threads verify ...", end=" ", flush=True)
-            verify(args.model, str(voucher), limits)
-            vouched.touch()
-            print(f"{time.monotonic() - t0:.0f} s", flush=True)
+        done = self.voucher.with_name(self.voucher.name + ".ok")  # the sweep finished
+        if self.args.no_verify or done.exists():
+            return
+        for old in self.voucher.parent.glob(self.voucher.name + "*"):  # a failed sweep's
+            old.unlink()
+        t0 = time.monotonic()
+        print("threads verify ...", end=" ", flush=True)
+        verify(self.args.model, str(self.voucher), self.limits)
+        done.touch()
+        print(f"{time.monotonic() - t0:.0f} s", flush=True)
 
-    def start(name: str, flags: list[str], mode: str | None) -> Server:
+    def fresh(self, name: str, flags: list[str], mode: str | None) -> Server:
+        """A server; an adaptive one with a fresh record (mode 2: a copy of the voucher)."""
         if mode is None:
-            return Server(args.model, [*flags, *limits], {})
-        record = str(tmp / f"{name.replace(' ', '-')}-{time.monotonic_ns()}.sqlite")
-        if mode == "2":  # a fresh record: a copy of the verified one, nothing learned yet
-            vouch()
-            src, dst = sqlite3.connect(voucher), sqlite3.connect(record)
+            return Server(self.args.model, [*flags, *self.limits], {})
+        record = str(self.tmp / f"{name.replace(' ', '-')}-{time.monotonic_ns()}.sqlite")
+        if mode == "2" and not self.args.no_verify:
+            self.vouch()
+            src, dst = sqlite3.connect(self.voucher), sqlite3.connect(record)
             src.backup(dst)
             src.close()
             dst.close()
-        server = Server(args.model, [*flags, "--record", record, *limits], {LEARNING: mode})
-        rest = min(5.0, args.learn_seconds / 6)
-        bursts = max(2, round((args.learn_seconds - rest) / 5))
+        return Server(self.args.model, [*flags, "--record", record, *self.limits],
+                      {LEARNING: mode})
+
+    def start(self, name: str, flags: list[str], mode: str | None) -> Server:
+        """A server; an adaptive one then learns from bursts (``--learn-seconds``)."""
+        server = self.fresh(name, flags, mode)
+        if mode is None:
+            return server
+        a = self.args
+        rest = min(5.0, a.learn_seconds / 6)
+        bursts = max(2, round((a.learn_seconds - rest) / 5))
         print(f"{name}: learning ({bursts} bursts) ...", flush=True)
         try:
-            learn(server.url, mixed, bursts,
-                  max(1, round((args.learn_seconds - rest) / bursts - 1)), 1, rest)
+            learn(server.url, self.mixed, bursts,
+                  max(1, round((a.learn_seconds - rest) / bursts - 1)), 1, rest)
         except BaseException:
             server.close()
             raise
         return server
 
-    def measure(name: str, level: str, server: Server, path: str, conns: int,
-                target: float | None = None, seed: int | None = None,
-                seconds: float | None = None) -> dict:
-        before = report(server) if name.startswith("mode") else None
-        r = wrk(server.url, path, conns, seconds or args.seconds, seed)
-        if before is not None and (after := report(server)).get("learning"):
-            # what the tuner did during this run alone (the report's counters are totals),
-            # and each range's state as the run began and as it ended (a low round: were
-            # its ranges still exploring, or learned but not yet past their window?)
-            was = before.get("learning") or {}
-            r["learning"] = {k: v - was.get(k, 0) for k, v in after["learning"].items()
-                             if isinstance(v, int)}
-            r["ranges"] = {"before": range_states(before), "after": range_states(after)}
-        if target is not None:
-            r["target_rps"] = target
-        print(f"  {name:8} {level:12} {r['rps']:7.1f} req/s"
-              + (f" (target {target:6.1f})" if target is not None else " " * 17)
-              + f"  p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}  mean {r['mean_ms']:7.2f} ms"
-              f"  non-2xx {r['non_2xx']}  errors {r['errors']}"
-              + (f"  froze {r['learning'].get('served_forwards_that_froze_a_shadow', 0)}"
-                 f" shadows {r['learning'].get('shadow_comparisons', 0)}"
-                 if "learning" in r else ""), flush=True)
-        return r
-
-    def report(server: Server) -> dict:
-        """``GET /v1/threads``, or {} where it cannot be read."""
-        try:
-            return server.threads()
-        except Exception:  # noqa: BLE001 (a bonus: the run's figures stand without it)
-            return {}
-
-    out = {"meta": {**vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-           "capacity_rps": None, "levels": {}, "oracle": {}, "neighbour": {}, "phases": {},
-           "phase_oracle": {}, "threads": {}, "rounds": {}, "failures": {}}
-    levels, nb, failures = out["levels"], out["neighbour"], out["failures"]
-    phases = out["phases"]
-    class_ms: dict[str, dict[str, float]] = {}
-    mix_ms: dict[str, float] = {}
-
-    def interleaved(servers: dict[str, Server], level: str, path: str, conns: int,
-                    table: dict, target: float | None = None, section: str = "",
-                    rounds: int | None = None, seconds: float | None = None) -> None:
-        """``--rounds`` rounds, each server once per round (the order rotates, and runs
-        backwards every other round, so no server always follows the same one: an adaptive
-        server learning once its own run ends slows whichever comes next), so a drift of
-        the shared host falls on every server alike; every server of a round gets the same
-        requests at the same pace (one wrk seed per round and level); the table keeps each
-        server's median per figure, the raw rounds go to ``out["rounds"]``."""
-        names = list(servers)
-        runs: dict[str, list[dict]] = {n: [] for n in names}
-        base = zlib.crc32((level + section).encode()) % 10**6 * 100
-        for i in range(rounds or args.rounds):
-            order = names[i % len(names):] + names[:i % len(names)]
-            for name in order[::-1] if i % 2 else order:  # a round's servers: one seed
-                runs[name].append(measure(name, level, servers[name], path, conns, target,
-                                          seed=base + i, seconds=seconds))
-        for name, rs in runs.items():
-            out["rounds"].setdefault(name, {})[level + section] = rs
-            med = {k: statistics.median(r[k] for r in rs)
-                   for k in ("rps", "p50_ms", "p99_ms", "mean_ms")}
-            table.setdefault(name, {})[level] = {
-                **med, "non_2xx": sum(r["non_2xx"] for r in rs), "target_rps": target}
-
-    def up(specs, with_mode_1: bool = True) -> dict[str, Server]:
+    def up(self, specs, learn_first: bool = True) -> dict[str, Server]:
         """Start the servers (adaptive ones learn, one at a time, the others idle)."""
         servers = {}
         for name, flags, mode in specs:
-            if mode == "1" and not with_mode_1:
-                continue
             try:
-                servers[name] = start(name, flags, mode)
+                servers[name] = (self.start if learn_first else self.fresh)(name, flags, mode)
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                failures[name] = str(exc)
+                self.out["failures"][name] = str(exc)
                 print(f"  {name}: FAILED: {exc}", flush=True)
-        time.sleep(5)  # the last learner's shadows drain
+        if any(mode for _, _, mode in specs):
+            time.sleep(5)  # the last learner's shadows drain
         return servers
 
-    def down(servers: dict[str, Server], label: str = "") -> None:
+    def down(self, servers: dict[str, Server], label: str = "") -> None:
         for name, server in servers.items():
             if name.startswith("mode"):
                 try:
-                    out["threads"][name + label] = report = server.threads()
+                    self.out["threads"][name + label] = report = server.threads()
                     print(f"{name}{label}: " + threads_summary(report), flush=True)
                 except Exception as exc:  # noqa: BLE001 (a report is a bonus)
                     print(f"  {name}: no report: {exc}", flush=True)
             server.close()
 
-    if {"levels", "oracle"} & set(args.only):
-        print("== every server up; levels measured in interleaved rounds", flush=True)
-        servers = up(SERVERS + ((AGAIN,) if "levels" in args.only else ()),
-                     "levels" in args.only)
+    def capacity(self, servers: dict[str, Server]) -> float | None:
+        """Fixed 1's req/s at 16 closed-loop connections (measured once where no level did)."""
+        if not self.out["capacity_rps"] and "fixed 1" in servers:
+            rps = wrk(servers["fixed 1"].url, self.mixed, 16, self.args.seconds)["rps"]
+            self.out["capacity_rps"] = rps if math.isfinite(rps) else None
+        return self.out["capacity_rps"]
+
+    def measure(self, name: str, level: str, server: Server, i: int, seed: int,
+                closed: tuple[str, int] | None, rate: float | None) -> dict:
+        """One server, one round of a level: closed loop (wrk: ``closed`` = script,
+        connections) or open loop at ``rate`` (the round's bodies file, its seed)."""
+        a = self.args
+        if closed is not None:
+            r = wrk(server.url, closed[0], closed[1], a.seconds, seed)
+            r.pop("tail_us", None)
+        else:
+            bodies = self.tmp / f"bodies-{zlib.crc32(level.encode())}-{i}.jsonl"
+            if not bodies.exists():  # one file per level and round: every server gets it
+                write_bodies(bodies, a.model, math.ceil(rate * a.seconds * 1.3) + 50, seed)
+            lat = self.tmp / "latencies.txt"
+            o = openloop.run(server.url, bodies, rate, a.seconds, seed, a.connections,
+                             latencies=lat)
+            self.raw.setdefault(name, {}).setdefault(level, []).append(
+                openloop.latencies_ms(openloop.read_latencies(lat)))
+            st = o["status"]
+            r = {"rps": o["achieved_rps"], "target_rps": rate, "offered_rps": o["offered_rps"],
+                 "p50_ms": o["p50_ms"], "p99_ms": o["p99_ms"], "p999_ms": o["p999_ms"],
+                 "mean_ms": o["mean_ms"], "max_ms": o["max_ms"], "requests": o["completed"],
+                 "non_2xx": st["1xx"] + st["3xx"] + st["4xx"] + st["5xx"],
+                 "errors": st["error"], "max_send_lag_ms": o["max_send_lag_ms"]}
+        print(f"  {name:14} {level:24} {r['rps']:7.1f} req/s"
+              + (f" (target {rate:6.1f})" if rate is not None else " " * 17)
+              + f"  p50 {r['p50_ms']:7.2f}  p99 {r['p99_ms']:7.2f}  mean {r['mean_ms']:7.2f} ms"
+              f"  non-2xx {r['non_2xx']}  errors {r['errors']}", flush=True)
+        return r
+
+    def interleaved(self, servers: dict[str, Server], level: str, table: dict,
+                    closed: tuple[str, int] | None = None, rate: float | None = None) -> None:
+        """``--rounds`` rounds, each server once per round (the order rotates, and runs
+        backwards every other round, so no server always follows the same one); every server
+        of a round gets the same requests at the same times (one seed per round and level);
+        the table keeps each server's median per figure, the rounds go to ``out["rounds"]``."""
+        runs: dict[str, list[dict]] = {n: [] for n in servers}
+        base = zlib.crc32(level.encode()) % 10**6 * 100
+        for i in range(self.args.rounds):
+            for name in adaptive_learning.rotated(list(servers), i):
+                runs[name].append(self.measure(name, level, servers[name], i, base + i,
+                                               closed, rate))
+        for name, rs in runs.items():
+            self.out["rounds"].setdefault(name, {})[level] = rs
+            med = {k: statistics.median(r[k] for r in rs)
+                   for k in ("rps", "p50_ms", "p99_ms", "mean_ms")}
+            table.setdefault(name, {})[level] = {
+                **med, "non_2xx": sum(r["non_2xx"] for r in rs), "target_rps": rate}
+
+    def levels_and_oracle(self) -> None:
+        only, out = self.args.only, self.out
+        print("== every server up; levels measured in paired rounds", flush=True)
+        servers = self.up((*SERVERS, AGAIN) if "levels" in only
+                          else tuple(s for s in (*SERVERS, AGAIN) if s[2] != "1"))
         try:
-            if "levels" in args.only or "oracle" in args.only:
-                interleaved(servers, "closed 1", mixed, 1, levels)
-            if "levels" in args.only:
-                interleaved(servers, "closed 16", mixed, 16, levels)
-                capacity = levels.get("fixed 1", {}).get("closed 16", {}).get("rps")
-                out["capacity_rps"] = capacity
-                for share in POISSON if capacity and math.isfinite(capacity) else ():
-                    rate = share * capacity
-                    path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
-                    interleaved(servers, f"poisson {share:.0%}", path, POISSON_CONNS, levels,
-                                rate)
-            if "oracle" in args.only:
-                per = {}
-                for c in per_class:
-                    interleaved({k: v for k, v in servers.items() if k != AGAIN[0]}, c,
-                                per_class[c], 1, per)
-                class_ms.update({n: {c: per[n][c]["mean_ms"] for c in per_class}
-                                 for n in per})
-                mix_ms.update({n: levels[n]["closed 1"]["mean_ms"] for n in servers})
+            self.interleaved(servers, "closed 1", out["levels"], (self.mixed, 1))
+            if "levels" in only:
+                self.interleaved(servers, "closed 16", out["levels"], (self.mixed, 16))
+                out["levels_order"] += ["closed 1", "closed 16"]
+                capacity = out["levels"].get("fixed 1", {}).get("closed 16", {}).get("rps")
+                out["capacity_rps"] = capacity if capacity and math.isfinite(capacity) else None
+                for share in POISSON if out["capacity_rps"] else ():
+                    level = f"poisson {share:.0%}"
+                    self.interleaved(servers, level, out["levels"],
+                                     rate=share * out["capacity_rps"])
+                    out["levels_order"].append(level)
+            if "oracle" in only:
+                per = out["oracle"].setdefault("per_class", {})
+                for c, path in self.per_class.items():
+                    self.interleaved({k: v for k, v in servers.items() if k != "mode 1"}, c,
+                                     per, (path, 1))
         finally:
-            down(servers)
+            self.down(servers)
 
-    long_p99 = out["p99"] = {}
-    if "p99" in args.only:
-        print(f"== p99: fixed 1, {AGAIN[0]} and mode 1 at the Poisson levels, "
-              f"{args.p99_rounds} rounds of {args.p99_seconds:g} s", flush=True)
-        servers = up((SERVERS[0], AGAIN, SERVERS[2]))
-        try:
-            if not out["capacity_rps"] and "fixed 1" in servers:
-                out["capacity_rps"] = wrk(servers["fixed 1"].url, mixed, 16,
-                                          args.seconds)["rps"]
-            capacity = out["capacity_rps"]
-            for share in POISSON if capacity and math.isfinite(capacity) else ():
-                rate = share * capacity
-                path = script(f"poisson-{share}", think_ms=POISSON_CONNS / rate * 1e3)
-                interleaved(servers, f"poisson {share:.0%}", path, POISSON_CONNS, long_p99,
-                            rate, section=P99, rounds=args.p99_rounds,
-                            seconds=args.p99_seconds)
-        finally:
-            down(servers, P99)
-
-    oracle = None
-    if {"fixed 1", "fixed 2"} <= set(class_ms):
-        # like against like: every server's class means weighted by the mix's shares
-        weighted = {s: sum(share * ms[c] for c, share, _ in MIX) for s, ms in class_ms.items()}
-        oracle = sum(share * min(class_ms[s][c] for s in ("fixed 1", "fixed 2"))
-                     for c, share, _ in MIX)
-        out["oracle"] = {"class_mean_ms": class_ms, "oracle_mix_mean_ms": oracle,
-                         "weighted_mean_ms": weighted, "mix_mean_ms_at_1": mix_ms,
-                         "oracle_over_server": {s: ratio(oracle, m)
-                                                for s, m in weighted.items()}}
-
-    if "neighbour" in args.only:
-        vouch()  # before the neighbour starts: the sweep checks bits, not time
+    def neighbour_section(self) -> None:
+        self.vouch()  # before the neighbour starts: the sweep checks bits, not time
         print("== neighbour: sha256sum /dev/zero, stopped/continued every 2 s", flush=True)
         with neighbour():
-            servers = up(SERVERS, with_mode_1=False)  # mode 2 learns beside the neighbour
+            servers = self.up((*SERVERS[:2], AGAIN, SERVERS[3]))  # mode 2 learns beside it
             try:
                 for c in (16, 1):
-                    interleaved(servers, f"closed {c}", mixed, c, nb, section=" + neighbour")
+                    self.interleaved(servers, f"closed {c} + neighbour", self.out["neighbour"],
+                                     (self.mixed, c))
             finally:
-                down(servers, " + neighbour")
+                self.down(servers, " + neighbour")
 
-    if "phases" in args.only:
+    def phases_section(self) -> None:
         print("== neighbour phases: fixed counts with the neighbour off, and on throughout",
               flush=True)
-        servers = up(SERVERS[:2])
+        servers = self.up(SERVERS[:2])
         try:
             for state in ("off", "on"):
                 with neighbour(None) if state == "on" else contextlib.nullcontext():
                     for c in (16, 1):
-                        interleaved(servers, f"closed {c}", mixed, c,
-                                    phases.setdefault(state, {}), section=f" + {state}")
+                        self.interleaved(servers, f"closed {c} + {state}",
+                                         self.out["phases"].setdefault(state, {}),
+                                         (self.mixed, c))
         finally:
-            down(servers)
+            self.down(servers)
 
-    # ---- tables
-    print()
+    def learning_sections(self) -> None:
+        """``steady`` and ``regret``: the fixed servers up, a fresh mode 2 per round."""
+        a, only = self.args, self.args.only
+        self.vouch()
+        print("== learning under the measured load: a fresh mode 2 per round, no learning "
+              "phase", flush=True)
+        fixed = self.up((*SERVERS[:2], AGAIN))
+
+        def fresh() -> Server:
+            return self.fresh("mode 2 fresh", [], "2")
+        try:
+            if "steady" in only:
+                self.out["steady_rounds"] = adaptive_learning.steady(
+                    fixed, fresh, self.mixed, 16, a.steady_seconds, a.window_seconds,
+                    a.steady_rounds)
+            capacity = self.capacity(fixed) if "regret" in only else None
+            if capacity:
+                rate = a.regret_share * capacity
+
+                def bodies(i: int) -> Path:
+                    path = self.tmp / f"regret-{i}.jsonl"
+                    if not path.exists():
+                        write_bodies(path, a.model, math.ceil(rate * a.regret_seconds * 1.3)
+                                     + 50, zlib.crc32(b"regret") + i)
+                    return path
+                self.out["regret_rate_rps"] = rate
+                self.out["regret_rounds"] = adaptive_learning.regret(
+                    fixed, fresh, bodies, rate, a.regret_seconds, a.regret_rounds,
+                    a.connections)
+        finally:
+            self.down(fixed)
+
+
+def print_tables(out: dict) -> None:
+    levels, nb, phases = out["levels"], out["neighbour"], out["phases"]
     if levels:
-        print(f"### Load levels (capacity {out['capacity_rps'] or float('nan'):.1f} req/s = fixed 1"
-              f" thread, 16 connections; Poisson approximate: {POISSON_CONNS} connections with "
-              "exponential think times)\n")
+        print(f"### Load levels (capacity {out['capacity_rps'] or math.nan:.1f} req/s = fixed 1 "
+              "thread, 16 connections; Poisson levels open loop, latency from each request's "
+              "scheduled send; medians over the rounds)\n")
         print(md(["server", "level", "target req/s", "req/s", "p50 ms", "p99 ms", "mean ms",
                   "non-2xx"],
                  [[s, lvl, r.get("target_rps"), r["rps"], r["p50_ms"], r["p99_ms"], r["mean_ms"],
                    r["non_2xx"]] for s, rows in levels.items() for lvl, r in rows.items()]))
         print()
-    if long_p99:
-        print(f"### p99 section: the Poisson levels again, {args.p99_rounds} rounds of "
-              f"{args.p99_seconds:g} s per server and level\n")
-        print(md(["server", "level", "target req/s", "req/s", "p50 ms", "p99 ms",
-                  "pooled p99 ms", "non-2xx"],
-                 [[s, lvl, r.get("target_rps"), r["rps"], r["p50_ms"], r["p99_ms"],
-                   pooled_percentile(out["rounds"][s][lvl + P99]), r["non_2xx"]]
-                  for s, rows in long_p99.items() for lvl, r in rows.items()]))
-        print()
-    if oracle is not None:
-        print("### Per-length-class oracle at 1 connection (mean ms; per class, not per "
-              "padded-token range)\n")
-        names = list(class_ms)
+    per = out["oracle"].get("per_class")
+    if per and {"fixed 1", "fixed 2"} <= set(per):
+        names = list(per)
+        weighted = {n: sum(sh * per[n][c]["mean_ms"] for c, sh, _ in MIX) for n in names}
+        best = sum(sh * min(per[s][c]["mean_ms"] for s in ("fixed 1", "fixed 2"))
+                   for c, sh, _ in MIX)
+        out["oracle"].update(weighted_mean_ms=weighted, oracle_mix_mean_ms=best)
+        print("### Per-length-class oracle at 1 connection (mean ms, medians over rounds)\n")
         print(md(["class", "share", *names, "oracle (best fixed)"],
-                 [[c, share, *(class_ms[n][c] for n in names),
-                   min(class_ms["fixed 1"][c], class_ms["fixed 2"][c])] for c, share, _ in MIX]
-                 + [["weighted by share", None,
-                     *(out["oracle"]["weighted_mean_ms"][n] for n in names), oracle]]))
-        print()
-        print(md(["server", "class-weighted mean ms", "oracle / server", "mix mean ms at 1"],
-                 [[s, m, out["oracle"]["oracle_over_server"][s], mix_ms.get(s)]
-                  for s, m in out["oracle"]["weighted_mean_ms"].items()]))
+                 [[c, sh, *(per[n][c]["mean_ms"] for n in names),
+                   min(per[s][c]["mean_ms"] for s in ("fixed 1", "fixed 2"))]
+                  for c, sh, _ in MIX]
+                 + [["weighted by share", None, *(weighted[n] for n in names), best]]))
         print()
     if nb:
         print("### Neighbour on half the time (one core's worth of sha256sum, 2 s on / 2 s off)\n")
         print(md(["server", "16 conn req/s", "p50 ms", "p99 ms", "1 conn req/s", "p50 ms",
                   "p99 ms"],
-                 [[s] + [r[f"closed {c}"][k] for c in (16, 1) for k in ("rps", "p50_ms", "p99_ms")]
-                  for s, r in nb.items()]))
+                 [[s] + [r[f"closed {c} + neighbour"][k] for c in (16, 1)
+                         for k in ("rps", "p50_ms", "p99_ms")] for s, r in nb.items()]))
         print()
+    if {"off", "on"} <= set(phases):
+        phases_table(out)
+    if out["steady_rounds"]:
+        steady_table(out["steady_rounds"])
+    if out["regret_rounds"]:
+        regret_table(out)
 
-    def rps(table: dict, server: str, level: str) -> float | None:
-        return table.get(server, {}).get(level, {}).get("rps")
 
-    if phases:
-        print("### Neighbour phases: what following it could gain (req/s; the per-phase oracle "
-              "is the better fixed count in each phase, half the time each)\n")
-        rows = []
-        for c in (16, 1):
-            lvl = f"closed {c}"
-            best = {st: max(phases[st][s][lvl]["rps"] for s in phases[st]) for st in phases}
-            oracle_rps = sum(best.values()) / len(best)
-            toggled = rps(nb, "fixed 2", lvl)
-            out["phase_oracle"][lvl] = {"rps": oracle_rps, "over_fixed_2_toggling":
-                                        ratio(oracle_rps, toggled)}
-            rows.append([lvl, *(phases[st][s][lvl]["rps"] for st in ("off", "on")
-                                for s in ("fixed 1", "fixed 2")),
-                         oracle_rps, toggled, ratio(oracle_rps, toggled),
-                         ratio(rps(nb, "mode 2", lvl), oracle_rps)])
-        print(md(["level", "off: fixed 1", "off: fixed 2", "on: fixed 1", "on: fixed 2",
-                  "per-phase oracle", "fixed 2, toggling", "oracle / fixed 2 toggling",
-                  "mode 2 toggling / oracle"], rows))
-        print()
-
-    def best_fixed(table: dict, level: str) -> float | None:
-        vals = [v for s in ("fixed 1", "fixed 2") if (v := rps(table, s, level)) is not None]
-        return max(vals) if len(vals) == 2 else None
-
-    def best_fixed_name(table: dict, level: str) -> str | None:
-        if best_fixed(table, level) is None:
-            return None
-        return max(("fixed 1", "fixed 2"), key=lambda s: rps(table, s, level))
-
-    def paired(a: str, b: str | None, key: str, level: str) -> list[float]:
-        """Round by round, ``a``'s figure over ``b``'s in the same round: the two ran within
-        a minute of each other, so a drift of the host between rounds cancels."""
-        ra = out["rounds"].get(a, {}).get(level, [])
-        rb = out["rounds"].get(b, {}).get(level, [])
-        return [v for x, y in zip(ra, rb, strict=False)
-                if (v := ratio(x[key], y[key])) is not None]
-
-    def oracle_rounds() -> list[float]:
-        """Per round: the oracle (the better fixed count per class, that round) over mode 2's
-        class means weighted by the mix."""
-        per = {s: [out["rounds"].get(s, {}).get(c, []) for c, _, _ in MIX]
-               for s in ("fixed 1", "fixed 2", "mode 2")}
-        rounds = min((len(rs) for runs in per.values() for rs in runs), default=0)
-        vals = []
-        for i in range(rounds):
-            best = sum(share * min(per[s][k][i]["mean_ms"] for s in ("fixed 1", "fixed 2"))
-                       for k, (_, share, _) in enumerate(MIX))
-            mine = sum(share * per["mode 2"][k][i]["mean_ms"]
-                       for k, (_, share, _) in enumerate(MIX))
-            if (v := ratio(best, mine)) is not None:
-                vals.append(v)
-        return vals
-
-    def pooled_p99(server: str, level: str) -> float | None:
-        return pooled_percentile(out["rounds"].get(server, {}).get(level, []))
-
-    targets = [("(a) mode 2 req/s at 16 clients / best fixed count", ">= 0.97",
-                ratio(rps(levels, "mode 2", "closed 16"), best_fixed(levels, "closed 16")),
-                paired("mode 2", best_fixed_name(levels, "closed 16"), "rps", "closed 16"),
-                lambda v: v >= 0.97, None),
-               ("(b) per-class oracle mean / mode 2 mean at 1 client", ">= 0.97",
-                (out["oracle"].get("oracle_over_server") or {}).get("mode 2"),
-                oracle_rounds() if oracle is not None else [], lambda v: v >= 0.97, None)]
-    def p99_target(name: str, lvl: str, table: dict, section: str = "") -> tuple:
-        """``name``'s p99 over fixed 1's: mode 1's is target (c); the second fixed 1's is
-        the null check, the noise of this run's p99 ratios."""
-        null = name == AGAIN[0]
-        return (f"{'(n) null check:' if null else '(c)'} {name} p99 / fixed 1 p99, "
-                f"{lvl}{section}", "<= 1.05" + (" (noise)" if null else ""),
-                ratio(table.get(name, {}).get(lvl, {}).get("p99_ms"),
-                      table.get("fixed 1", {}).get(lvl, {}).get("p99_ms")),
-                paired(name, "fixed 1", "p99_ms", lvl + section), lambda v: v <= 1.05,
-                ratio(pooled_p99(name, lvl + section), pooled_p99("fixed 1", lvl + section)))
-
-    for lvl in ("closed 1", "closed 16", *(f"poisson {s:.0%}" for s in POISSON)):
-        targets += [p99_target(n, lvl, levels) for n in ("mode 1", AGAIN[0])
-                    if n == "mode 1" or n in levels]
-    for lvl in long_p99.get("fixed 1", {}):
-        targets += [p99_target(n, lvl, long_p99, P99) for n in ("mode 1", AGAIN[0])
-                    if n in long_p99]
+def phases_table(out: dict) -> None:
+    nb, phases = out["neighbour"], out["phases"]
+    print("### Neighbour phases: what following it could gain (req/s; the per-phase oracle "
+          "is the better fixed count in each phase, half the time each)\n")
+    rows = []
     for c in (16, 1):
-        lvl = f"closed {c}"
-        targets.append((f"(d) neighbour: mode 2 req/s / best fixed count, {c} client(s)", "> 1.00",
-                        ratio(rps(nb, "mode 2", lvl), best_fixed(nb, lvl)),
-                        paired("mode 2", best_fixed_name(nb, lvl), "rps", lvl + " + neighbour"),
-                        lambda v: v > 1.0, None))
-    out["targets"] = [
-        {"target": t, "goal": g, "value": v, "met": None if v is None else ok(v),
-         "paired_rounds": each, "paired_median": statistics.median(each) if each else None,
-         "rounds_met": sum(map(ok, each)), "pooled": pooled,
-         "pooled_met": None if pooled is None else ok(pooled)}
-        for t, g, v, each, ok, pooled in targets]
-    print("### Targets (this run only)\n")
-    print("measured: each server's median over the rounds, then the ratio; paired: the ratio "
-          "round by round against the same round's figure (median, and the rounds that met "
-          "the goal); pooled (p99 targets): each server's p99 over the requests of all its "
-          "rounds together, then the ratio\n")
+        def rps(st: str, s: str, c=c) -> float:
+            return phases[st][s][f"closed {c} + {st}"]["rps"]
+        oracle_rps = statistics.fmean(max(rps(st, s) for s in phases[st]) for st in phases)
+        toggled = nb.get("fixed 2", {}).get(f"closed {c} + neighbour", {}).get("rps")
+        mode2 = nb.get("mode 2", {}).get(f"closed {c} + neighbour", {}).get("rps")
+        out["phase_oracle"][f"closed {c}"] = {"rps": oracle_rps, "over_fixed_2_toggling":
+                                              ratio(oracle_rps, toggled)}
+        rows.append([f"closed {c}", *(rps(st, s) for st in ("off", "on")
+                                      for s in ("fixed 1", "fixed 2")),
+                     oracle_rps, toggled, ratio(oracle_rps, toggled), ratio(mode2, oracle_rps)])
+    print(md(["level", "off: fixed 1", "off: fixed 2", "on: fixed 1", "on: fixed 2",
+              "per-phase oracle", "fixed 2, toggling", "oracle / fixed 2 toggling",
+              "mode 2 toggling / oracle"], rows))
+    print()
 
-    def fmt(v: float | None) -> str | None:
-        return None if v is None else f"{v:.3f}"
 
-    def verdict(met: bool | None) -> str:
-        return "n/a" if met is None else "met" if met else "MISSED"
+def steady_table(rounds: list[dict]) -> None:
+    names = [n for n in rounds[0] if all(n in r for r in rounds)]
+    windows = min(len(r[n]["windows"]) for r in rounds for n in names)
+    print(f"### Steady load from the first second: 16 connections, req/s per window (median "
+          f"over {len(rounds)} rounds; {MODE2}: a fresh record each round)\n")
+    print(md(["server", *(f"w{k + 1}" for k in range(windows)), "whole run", "second half"],
+             [[n, *(statistics.median(r[n]["windows"][k]["rps"] for r in rounds)
+                    for k in range(windows)),
+               statistics.median(adaptive_learning.windows_rps(r[n]) for r in rounds),
+               statistics.median(adaptive_learning.windows_rps(r[n], "late") for r in rounds)]
+              for n in names]))
+    print()
+    for i, r in enumerate(rounds):
+        if MODE2 in r and r[MODE2].get("ranges_after"):
+            print(f"round {i + 1}, {MODE2} at its end: {r[MODE2]['ranges_after']}")
+    print()
 
-    print(md(["target", "measured", "paired median", "rounds met", "pooled", "goal",
-              "result (measured; pooled)"],
-             [[t["target"], fmt(t["value"]), fmt(t["paired_median"]),
-               f"{t['rounds_met']} of {len(t['paired_rounds'])}", fmt(t["pooled"]), t["goal"],
-               verdict(t["met"]) + ("" if t["pooled"] is None
-                                    else f"; {verdict(t['pooled_met'])}")]
-              for t in out["targets"]]))
 
-    for label, why in failures.items():
+def regret_table(out: dict) -> None:
+    figs = [adaptive_learning.regret_figures(r, load_targets.FIXED)
+            for r in out["regret_rounds"] if MODE2 in r]
+    out["regret"] = figs
+    names = list(out["regret_rounds"][0])
+    print(f"### Regret over one open-loop trace per round ({out.get('regret_rate_rps', 0):.1f} "
+          "req/s; served forward seconds from /metrics; oracle: the fixed count fastest per "
+          "padded-token range)\n")
+    print(md(["round", *(f"{n} s" for n in names), "per-range oracle s", "sum of minima s",
+              "mode 2 / oracle", "best count per range"],
+             [[i + 1, *(f["served_s"].get(n) for n in names), f["oracle_s"],
+               f["sum_of_minima_s"], ratio(f["served_s"].get(MODE2), f["oracle_s"]),
+               " ".join(f"{k}:{v[-1]}" for k, v in sorted(
+                   f["best_per_range"].items(), key=lambda kv: int(kv[0].split("-")[0])))]
+              for i, f in enumerate(figs)]))
+    print()
+    print(md(["server", "trace p50 ms (median)", "p99 ms (median)", "achieved req/s"],
+             [[n, statistics.median(r[n]["p50_ms"] for r in out["regret_rounds"]),
+               statistics.median(r[n]["p99_ms"] for r in out["regret_rounds"]),
+               statistics.median(r[n]["achieved_rps"] for r in out["regret_rounds"])]
+              for n in names]))
+    print()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not shutil.which("wrk"):
+        sys.exit("wrk (the C HTTP load generator) is not installed: apt-get install wrk")
+    if {"neighbour", "phases"} & set(args.only) and not shutil.which("sha256sum"):
+        sys.exit("sha256sum (coreutils) is needed for the neighbour section")
+    openloop.build()  # before any server starts: a missing compiler fails at once
+    bench = Bench(args)
+    only, out = set(args.only), bench.out
+    if {"levels", "oracle"} & only:
+        bench.levels_and_oracle()
+    if "neighbour" in only:
+        bench.neighbour_section()
+    if "phases" in only:
+        bench.phases_section()
+    if {"steady", "regret"} & only:
+        bench.learning_sections()
+    print()
+    print_tables(out)
+    rows = out["targets"] = load_targets.targets(out, bench.raw)
+    print("### Targets (this run only; interval: bootstrap 95% over paired rounds; met only "
+          "when the whole interval clears the goal)\n")
+    print(md(["target", "ratio [95% interval]", "goal", "verdict",
+              "null check: fixed 1 again / fixed 1 [95%]", "rounds"], load_targets.table(rows)))
+    for label, why in out["failures"].items():
         print(f"FAILED: {label}: {why}")
     out["meta"]["loadavg_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from bench.stats import (
+    MIN_ROUNDS,
     Goal,
     Interval,
     bootstrap,
@@ -62,6 +63,12 @@ def test_fewer_than_two_rounds_give_no_interval_and_no_verdict():
 ])
 def test_verdict_needs_the_whole_interval(lo, hi, goal, expected):
     assert verdict(Interval((lo + hi) / 2, lo, hi, 10), Goal.parse(goal)) == expected
+
+
+def test_too_few_rounds_give_no_verdict_however_narrow():
+    assert verdict(Interval(1.5, 1.4, 1.6, MIN_ROUNDS - 1), Goal.parse(">= 0.97")) == \
+        "unresolved"
+    assert verdict(Interval(1.5, 1.4, 1.6, MIN_ROUNDS), Goal.parse(">= 0.97")) == "met"
 
 
 def test_goal_parse_names_what_is_wrong():

@@ -1,0 +1,115 @@
+"""Learning under the measured load itself: the two sections of ``bench.adaptive_load`` where a
+mode-2 server starts from a fresh record and learns from its first second, with no bursty
+learning phase before it is measured (the old bench learned only from bursts with pauses,
+so it never saw a server that learns a count under steady load but never serves it).
+
+- ``steady``: every server at ``conns`` closed-loop connections (wrk) for ``seconds``, measured
+  in consecutive windows of ``window_s``; a fresh mode 2 per round, against fixed 1, fixed 2 and
+  the null check (a second fixed 1), in rotating order per round.
+- ``regret``: one open-loop trace per round (the same bodies file, seed and schedule for every
+  server), and each server's served forward time per padded-token range over it (``/metrics``):
+  a fresh mode 2's total, learning included, against the per-range oracle built from the fixed
+  servers' per-range times over the same trace (``bench.load_trace.range_oracle``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import openloop
+from bench.adaptive_wrk import Server, range_states, wrk
+from bench.load_trace import forward_totals, range_oracle, since, total_seconds
+
+MODE2 = "mode 2 (fresh, no learning phase)"
+
+
+def rotated(names: list[str], i: int) -> list[str]:
+    """Round ``i``'s order: rotated by ``i``, backwards every other round."""
+    order = names[i % len(names):] + names[:i % len(names)]
+    return order[::-1] if i % 2 else order
+
+
+def _each(fixed: dict[str, Server], fresh: Callable[[], Server], i: int, log,
+          run: Callable[[str, Server], dict]) -> dict[str, dict]:
+    """Round ``i``: every fixed server and one fresh mode 2 (closed after its run, with what
+    it learned, ``GET /v1/threads``, kept as ``threads``)."""
+    out = {}
+    for name in rotated([*fixed, MODE2], i):
+        if name != MODE2:
+            out[name] = run(name, fixed[name])
+            continue
+        server = fresh()
+        try:
+            out[name] = run(name, server)
+            try:
+                report = server.threads()
+                out[name]["ranges_after"] = range_states(report)
+            except Exception as exc:  # noqa: BLE001 (a report is a bonus)
+                log(f"  {name}: no threads report: {exc}")
+        finally:
+            server.close()
+    return out
+
+
+def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, conns: int,
+           seconds: float, window_s: float, rounds: int, log=print) -> list[dict[str, dict]]:
+    """Per round, per server: its windows (req/s, p50, p99 of each)."""
+    windows = max(1, round(seconds / window_s))
+    base = zlib.crc32(b"steady") % 10**6 * 100
+
+    def run(name: str, server: Server) -> dict:
+        ws = []
+        for k in range(windows):
+            r = wrk(server.url, script, conns, window_s, seed=base + k)
+            ws.append({key: r[key] for key in ("rps", "p50_ms", "p99_ms", "requests",
+                                               "non_2xx", "errors")})
+        log(f"  steady {name:34} " + " ".join(f"{w['rps']:5.1f}" for w in ws) + " req/s")
+        return {"windows": ws}
+
+    out = []
+    for i in range(rounds):
+        base += 10_000  # a server's rounds never repeat a body (its result cache)
+        out.append(_each(fixed, fresh, i, log, run))
+    return out
+
+
+def regret(fixed: dict[str, Server], fresh: Callable[[], Server],
+           bodies: Callable[[int], Path], rate_rps: float, seconds: float, rounds: int,
+           connections: int = 64, log=print) -> list[dict[str, dict]]:
+    """Per round, per server: the trace's open-loop summary and the served forward time per
+    padded-token range (``ranges``: {range: [forwards, seconds]}) it ran."""
+    out = []
+    for i in range(rounds):
+        path, seed = bodies(i), zlib.crc32(b"regret") % 10**6 + i
+
+        def run(name: str, server: Server, path=path, seed=seed) -> dict:
+            before = forward_totals(server.url)
+            r = openloop.run(server.url, path, rate_rps, seconds, seed, connections)
+            ranges = since(forward_totals(server.url), before)
+            log(f"  regret {name:34} {r['achieved_rps']:6.1f} req/s  p50 {r['p50_ms']:7.1f}"
+                f"  p99 {r['p99_ms']:7.1f} ms  served {total_seconds(ranges):6.2f} s")
+            return {**r, "ranges": {k: [t.forwards, t.seconds] for k, t in ranges.items()}}
+
+        out.append(_each(fixed, fresh, i, log, run))
+    return out
+
+
+def windows_rps(run: dict, part: str = "all") -> float:
+    """Req/s over a steady run's windows: all of them, or the second half (``late``)."""
+    ws = run["windows"]
+    ws = ws[len(ws) // 2:] if part == "late" else ws
+    return statistics.fmean(w["rps"] for w in ws)
+
+
+def regret_figures(rnd: dict[str, dict], fixed_names: tuple[str, ...]) -> dict:
+    """One round of the regret section: each server's served seconds and the oracle's."""
+    from bench.load_trace import RangeTime
+
+    def ranges(name: str) -> dict:
+        return {k: RangeTime(*v) for k, v in rnd[name]["ranges"].items()}
+
+    oracle = range_oracle(ranges(MODE2), {n: ranges(n) for n in fixed_names if n in rnd})
+    return {"served_s": {n: total_seconds(ranges(n)) for n in rnd}, **oracle}

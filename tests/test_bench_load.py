@@ -1,0 +1,120 @@
+"""bench.adaptive_load's new pieces (SPEC R8.1, R8.2): open-loop traces (bodies files, served
+forward time per range from /metrics, the per-range oracle), targets judged on intervals
+beside the null check, and the regret section run end to end in its quick variant (it asserts
+that the section produced its figures, not any speed: speed is measured in bench/)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from bench import load_targets
+from bench.adaptive_learning import MODE2, regret_figures, rotated
+from bench.load_trace import RangeTime, parse_forward_totals, range_oracle, since, write_bodies
+
+
+def test_bodies_are_unique_and_the_same_for_a_seed(tmp_path):
+    a = write_bodies(tmp_path / "a.jsonl", "m", 500, seed=3).read_text()
+    assert a == write_bodies(tmp_path / "b.jsonl", "m", 500, seed=3).read_text()
+    assert a != write_bodies(tmp_path / "c.jsonl", "m", 500, seed=4).read_text()
+    bodies = [json.loads(line) for line in a.splitlines()]
+    texts = [b["input"][0] for b in bodies]
+    assert len(set(texts)) == 500 and all(b["model"] == "m" for b in bodies)
+    lengths = [len(t.split()) - 1 for t in texts]  # the mix: 70% 6 words, 25% 40, 5% 150
+    assert 0.6 < lengths.count(6) / 500 < 0.8 and lengths.count(150) < 60
+
+
+def test_forward_totals_sum_thread_counts_and_replicas_per_range():
+    reg = CollectorRegistry()
+    h = Histogram("vllm_srun_forward_seconds", "f", ["replica", "size_range", "num_threads"],
+                  registry=reg)
+    h.labels("a", "16-31", "1").observe(0.5)
+    h.labels("a", "16-31", "2").observe(0.25)
+    h.labels("b", "16-31", "1").observe(0.25)
+    h.labels("a", "64-127", "2").observe(2.0)
+    totals = parse_forward_totals(generate_latest(reg).decode())
+    assert totals == {"16-31": RangeTime(3.0, 1.0), "64-127": RangeTime(1.0, 2.0)}
+    later = {**totals, "16-31": RangeTime(5.0, 1.5)}
+    assert since(later, totals) == {"16-31": RangeTime(2.0, 0.5)}
+
+
+def test_range_oracle_runs_the_served_forwards_at_the_best_mean_per_range():
+    served = {"16-31": RangeTime(10, 2.0), "256-511": RangeTime(4, 2.0),
+              "1024-2047": RangeTime(1, 1.0)}
+    fixed = {"fixed 1": {"16-31": RangeTime(8, 1.2), "256-511": RangeTime(4, 2.4)},
+             "fixed 2": {"16-31": RangeTime(10, 2.0), "256-511": RangeTime(5, 2.0)}}
+    o = range_oracle(served, fixed)
+    # 10 x 0.15 (fixed 1's mean) + 4 x 0.4 (fixed 2's) + 1.0 (no fixed evidence: as served)
+    assert o["oracle_s"] == pytest.approx(1.5 + 1.6 + 1.0)
+    assert o["best_per_range"] == {"16-31": "fixed 1", "256-511": "fixed 2"}
+    assert o["sum_of_minima_s"] == pytest.approx(1.2 + 2.0 + 1.0)
+
+
+def test_rounds_rotate_and_reverse_every_other_round():
+    names = ["a", "b", "c"]
+    assert [rotated(names, i) for i in range(4)] == [
+        ["a", "b", "c"], ["a", "c", "b"], ["c", "a", "b"], ["c", "b", "a"]]
+
+
+def _steady_round(rps: dict[str, list[float]]) -> dict:
+    return {n: {"windows": [{"rps": v} for v in ws]} for n, ws in rps.items()}
+
+
+def test_steady_and_regret_targets_carry_intervals_verdicts_and_the_null_check():
+    steady = [_steady_round({"fixed 1": [40, 40, 40, 40], "fixed 2": [30, 30, 30, 30],
+                             "fixed 1 again": [40 + i % 2, 40, 40, 40],
+                             MODE2: [30, 30, 40 + i % 3, 41]}) for i in range(8)]
+    ranges = {"fixed 1": {"16-31": [10, 1.0]}, "fixed 2": {"16-31": [10, 2.0]},
+              "fixed 1 again": {"16-31": [10, 1.0]}, MODE2: {"16-31": [10, 1.5]}}
+    regret = [{n: {"ranges": r} for n, r in ranges.items()} for _ in range(6)]
+    out = {"rounds": {}, "steady_rounds": steady, "regret_rounds": regret}
+    rows = load_targets.targets(out, {})
+    whole, late, reg = rows
+    assert whole["verdict"] == "missed" and whole["hi"] < 0.97  # learning cost the first half
+    assert late["verdict"] == "met" and late["lo"] >= 0.97 and late["rounds"] == 8
+    assert late["null"]["lo"] <= 1.0 <= late["null"]["hi"] + 0.03
+    assert reg["estimate"] == pytest.approx(1.5) and reg["verdict"] == "missed"
+    assert reg["null"]["estimate"] == 1.0
+    assert regret_figures(regret[0], load_targets.FIXED)["oracle_s"] == 1.0
+    assert load_targets.table(rows)[2][3] == "missed"
+
+
+def test_p99_target_pools_the_open_loop_requests_of_every_round():
+    raw = {"fixed 1": {"poisson 60%": [[10.0] * 99 + [50.0]] * 6},
+           "mode 1": {"poisson 60%": [[10.0] * 99 + [60.0]] * 6},
+           "fixed 1 again": {"poisson 60%": [[10.0] * 99 + [50.0]] * 6}}
+    runs = [{"rps": 1.0, "p99_ms": 10.0}] * 6
+    out = {"rounds": {n: {"poisson 60%": runs} for n in raw}, "levels_order": ["poisson 60%"]}
+    (row,) = load_targets.targets(out, raw)
+    assert "pooled" in row["target"] and row["estimate"] == pytest.approx(1.0)
+    assert row["verdict"] == "met" and row["null_text"].startswith("1.000")
+
+
+@pytest.mark.required_in_ci
+def test_quick_regret_section_end_to_end(tmp_path):
+    if shutil.which("wrk") is None or shutil.which("cc") is None:
+        pytest.skip("the bench needs wrk and cc")
+    out = tmp_path / "load.json"
+    done = subprocess.run([sys.executable, "-m", "bench.adaptive_load", "--quick", "--only",
+                           "regret", "--regret-rounds", "2", "--seconds", "1",
+                           "--regret-seconds", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "### Regret over one open-loop trace" in done.stdout
+    assert "null check: fixed 1 again / fixed 1" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["capacity_rps"] > 0 and len(result["regret_rounds"]) == 2
+    for rnd in result["regret_rounds"]:
+        assert set(rnd) == {"fixed 1", "fixed 2", "fixed 1 again", MODE2}
+        for name, run in rnd.items():
+            assert run["completed"] > 0 and run["status"]["2xx"] == run["completed"], name
+            assert run["ranges"], name  # served forward time per range, from /metrics
+    (regret,) = result["targets"]
+    assert regret["target"].startswith("(e) regret") and regret["rounds"] == 2
+    assert regret["verdict"] == "unresolved"  # 2 rounds judge nothing
+    assert regret["estimate"] > 0 and regret["null"]["estimate"] > 0
