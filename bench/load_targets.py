@@ -56,7 +56,7 @@ def row(target: str, goal: str, interval: Interval, null: Interval) -> dict:
 
 def rps_target(out: dict, label: str, level: str, goal: str) -> dict:
     best = best_fixed(out, level)
-    return row(f"{label}: {MODE2 if 'steady' in level else 'mode 2'} req/s / best fixed "
+    return row(f"{label} {MODE2 if 'steady' in level else 'mode 2'} req/s / best fixed "
                f"({best}), {level}", goal,
                median_interval(paired(out, "mode 2", best, "rps", level)) if best else NONE,
                median_interval(paired(out, AGAIN, "fixed 1", "rps", level)))

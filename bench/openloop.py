@@ -9,6 +9,7 @@ every latency from the request's scheduled send time (see the C file's header).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,7 +35,7 @@ def build() -> Path:
     if cc is None:
         raise OpenLoopError("no C compiler (cc or gcc) to build bench/openloop.c")
     BINARY.parent.mkdir(parents=True, exist_ok=True)
-    tmp = BINARY.with_suffix(f".tmp{id(BINARY)}")
+    tmp = BINARY.with_suffix(f".tmp{os.getpid()}")
     done = subprocess.run([cc, "-O2", "-Wall", "-o", str(tmp), str(SOURCE), "-lm"],
                           capture_output=True, text=True)
     if done.returncode:
