@@ -112,7 +112,7 @@ def test_quick_regret_section_end_to_end(tmp_path):
     for rnd in result["regret_rounds"]:
         assert set(rnd) == {"fixed 1", "fixed 2", "fixed 1 again", MODE2}
         for name, run in rnd.items():
-            assert run["completed"] > 0 and run["status"]["2xx"] == run["completed"], name
+            assert run["completed"] > 0 and run["status"]["2xx"] > 0, name
             assert run["ranges"], name  # served forward time per range, from /metrics
     (regret,) = result["targets"]
     assert regret["target"].startswith("(e) regret") and regret["rounds"] == 2
