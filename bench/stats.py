@@ -41,6 +41,8 @@ class Interval:
     def text(self) -> str:
         if not math.isfinite(self.estimate):
             return "n/a"
+        if not (math.isfinite(self.lo) and math.isfinite(self.hi)):
+            return f"{self.estimate:.3f} (no interval: {self.rounds} round)"
         return f"{self.estimate:.3f} [{self.lo:.3f}, {self.hi:.3f}]"
 
 

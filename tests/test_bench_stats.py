@@ -47,6 +47,7 @@ def test_interval_narrows_with_more_rounds_and_covers_the_truth():
 def test_fewer_than_two_rounds_give_no_interval_and_no_verdict():
     one = median_interval([1.5])
     assert one.estimate == 1.5 and math.isnan(one.lo) and one.rounds == 1
+    assert one.text() == "1.500 (no interval: 1 round)"
     assert verdict(one, Goal.parse(">= 0.97")) == "unresolved"
     assert median_interval([]).rounds == 0 and median_interval([]).text() == "n/a"
 
