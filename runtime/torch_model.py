@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from vllm_srun.runtime import attention
 from vllm_srun.runtime.errors import ArtifactError, Unsupported
 from vllm_srun.runtime.types import Manifest, Task
 
@@ -34,6 +35,8 @@ def load_module(manifest: Manifest):
                                     dtype=torch.float32)
     except Exception as exc:  # transformers raises many kinds; translate at the boundary
         raise ArtifactError(f"cannot load {manifest.path} with transformers: {exc}") from exc
+    if attention.supports(model.config):  # local layers: score only the window (attention.py)
+        model.set_attn_implementation(attention.register())
     model.eval()
 
     class Encoder(torch.nn.Module):
