@@ -1,0 +1,149 @@
+"""Precisions over HTTP, side by side with infinity-emb: each server alone, one after another
+in one run, driven by wrk at 1 and 16 closed-loop connections with unique mixed bodies (70%
+short queries, 25% passages, 5% long; ``bench.adaptive_wrk``'s script).
+
+    python -m bench.precision_http [--infinity .peers/infinity/bin/infinity_emb]
+        [--seconds 10] [--rounds 1] [--servers SUBSTRING,...] [--out FILE]
+
+Servers: vllm-srun at ``--dtype float32|bfloat16|int8``, each at the default thread count and
+at ``--threads 2``; infinity-emb 0.0.78 (torch engine, its own venv) at ``--dtype
+float32|bfloat16|int8``. Every server serves all-MiniLM-L6-v2 from the L6 package's folder,
+offline, with vllm-srun's result cache off (every body is unique anyway). Each server gets a
+short warm run first (not counted). With ``--rounds`` > 1 the servers are cycled that many
+times and a server's figure is its median over rounds.
+
+vllm-srun's ``--dtype`` is passed only where ``serve --help`` lists it: a build without it
+runs its float32 servers without the flag and skips the other precisions (said in the
+output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.adaptive_wrk import lua, wrk
+from bench.precision import host
+from bench.run import Proc, free_port
+from vllm_srun.runtime.artifact import resolve
+
+MODEL = "all-MiniLM-L6-v2"
+DTYPES = ("float32", "bfloat16", "int8")
+LEVELS = (1, 16)
+WARM_S = 3.0
+
+
+def ours_has_dtype() -> bool:
+    out = subprocess.run([sys.executable, "-m", "vllm_srun.server", "serve", "--help"],
+                         capture_output=True, text=True).stdout
+    return "--dtype" in out
+
+
+def server_table(infinity: str | None, has_dtype: bool) -> dict[str, list[str] | None]:
+    """name -> the command that starts it (``{port}`` filled in later), or None: skipped."""
+    folder = resolve(MODEL).path
+    table: dict[str, list[str] | None] = {}
+    for dtype in DTYPES:
+        for threads in ((), ("--threads", "2")):
+            name = f"vllm-srun {dtype}" + (" 2 threads" if threads else "")
+            flags = ["--dtype", dtype] if has_dtype else []
+            runnable = has_dtype or dtype == "float32"
+            table[name] = ([sys.executable, "-m", "vllm_srun.server", "serve", MODEL, "--port",
+                            "{port}", "--cache-entries", "0", "--log-level", "warning",
+                            *flags, *threads] if runnable else None)
+    for dtype in DTYPES:
+        table[f"infinity-emb {dtype}"] = (
+            [infinity, "v2", "--model-id", folder, "--engine", "torch", "--dtype", dtype,
+             "--port", "{port}", "--served-model-name", MODEL, "--url-prefix", "/v1"]
+            if infinity else None)
+    return table
+
+
+def measure(cmd: list[str], script: str, seconds: float, seed: int) -> dict:
+    port = free_port()
+    t0 = time.monotonic()
+    proc = Proc([c.replace("{port}", str(port)) for c in cmd], f"http://127.0.0.1:{port}",
+                env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                     "INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"})
+    out: dict = {"start_s": time.monotonic() - t0}
+    try:
+        wrk(proc.url, script, 1, WARM_S, seed=seed + 999)
+        for level in LEVELS:
+            out[str(level)] = wrk(proc.url, script, level, seconds, seed=seed + level)
+    finally:
+        proc.stop()
+    return out
+
+
+def line(name: str, runs: list[dict]) -> str:
+    cells = []
+    for level in LEVELS:
+        got = [r[str(level)] for r in runs if str(level) in r]
+        rps = statistics.median(r["rps"] for r in got)
+        p50 = statistics.median(r["p50_ms"] for r in got)
+        p99 = statistics.median(r["p99_ms"] for r in got)
+        bad = sum(r["non_2xx"] + r["errors"] for r in got)
+        cells.append(f"{rps:.1f} | {p50:.1f} | {p99:.1f}" + (f" ({bad} failed)" if bad else ""))
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.precision_http")
+    parser.add_argument("--infinity", default=os.environ.get("VLLM_SRUN_BENCH_INFINITY"),
+                        help="infinity_emb executable in its own venv (none: skip infinity)")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--servers", default="",
+                        help="comma-separated substrings; run only servers whose name has one")
+    parser.add_argument("--out", default="bench/results/precision_http.json")
+    args = parser.parse_args(argv)
+    if args.seconds < 1 or args.rounds < 1:
+        raise SystemExit("--seconds must be >= 1 and --rounds >= 1")
+    if args.infinity and not Path(args.infinity).is_file():
+        raise SystemExit(f"--infinity: no such file {args.infinity!r}")
+    has_dtype = ours_has_dtype()
+    wanted = [w for w in args.servers.split(",") if w]
+    table = {k: v for k, v in server_table(args.infinity, has_dtype).items()
+             if not wanted or any(w in k for w in wanted)}
+    before = host()
+    print(f"{before['cpu']} (AMX {before['amx']}); {before['uptime']}; vllm-srun --dtype "
+          f"{'supported' if has_dtype else 'NOT supported: float32 only, without the flag'}")
+    results: dict[str, list[dict]] = {k: [] for k, v in table.items() if v}
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(lua(MODEL))
+        script.flush()
+        for r in range(args.rounds):
+            for name, cmd in table.items():
+                if cmd is None:
+                    continue
+                try:
+                    results[name].append(measure(cmd, script.name, args.seconds, 1000 * r))
+                except (TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                    print(f"{name}: did not run ({exc})", flush=True)
+                    continue
+                print(line(name, results[name][-1:]), f"(round {r + 1}; load "
+                      f"{os.getloadavg()[0]:.2f})", flush=True)
+    head = " | ".join(f"{c} conn req/s | p50 ms | p99 ms" for c in LEVELS)
+    report = [f"| server | {head} |", "|---|" + "---|---|---|" * len(LEVELS)]
+    report += [line(k, v) for k, v in results.items() if v]
+    report += [f"| {k} | not run: {'no --infinity given' if 'infinity' in k else 'no --dtype'}"
+               " |" for k, v in table.items() if v is None]
+    after = host()
+    report.append(f"before: {before['uptime']}; after: {after['uptime']}")
+    print("\n".join(report))
+    Path(args.out).write_text(json.dumps({"host_before": before, "host_after": after,
+                                          "seconds": args.seconds, "levels": list(LEVELS),
+                                          "results": results, "report": report}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
