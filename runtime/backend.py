@@ -17,6 +17,7 @@ import numpy as np
 from vllm_srun.runtime import device as devices
 from vllm_srun.runtime.errors import ArtifactError, Unsupported
 from vllm_srun.runtime.pooling import l2_normalize, pool
+from vllm_srun.runtime.precision import Precision, check_supported
 from vllm_srun.runtime.types import BackendName, ForwardResult, Manifest, Task, TokenBatch
 
 
@@ -65,11 +66,13 @@ class OnnxBackend:
     thread_bound = False
 
     def __init__(self, manifest: Manifest, onnx_path: str,
-                 like: OnnxBackend | None = None) -> None:
+                 like: OnnxBackend | None = None,
+                 precision: Precision = Precision.FLOAT32) -> None:
         import onnxruntime as ort
 
         self._ort = ort
         self.manifest = manifest
+        self.precision = precision
         self.onnx_path = onnx_path
         self._sessions: dict[int, object] = {}
         self._lock = threading.Lock()
@@ -117,7 +120,7 @@ class OnnxBackend:
     def twin(self) -> OnnxBackend:
         """Sessions of its own: an onnxruntime session's intra-op pool is made by the thread
         that creates the session, and served and shadow forwards must not share one."""
-        return OnnxBackend(self.manifest, self.onnx_path, like=self)
+        return OnnxBackend(self.manifest, self.onnx_path, like=self, precision=self.precision)
 
     def close(self) -> None:
         with self._lock:
@@ -130,15 +133,17 @@ class TorchBackend:
     name = BackendName.TORCH
     thread_bound = True
 
-    def __init__(self, manifest: Manifest, device: str = "cpu") -> None:
+    def __init__(self, manifest: Manifest, device: str = "cpu",
+                 precision: Precision = Precision.FLOAT32) -> None:
         import torch
 
         from vllm_srun.runtime.torch_model import load_module
 
         self._torch = torch
         self.manifest = manifest
+        self.precision = precision
         self.device = torch.device(device)
-        self.module = load_module(manifest).to(self.device)
+        self.module = load_module(manifest, precision).to(self.device)
         self._seen = threading.local()
         self.module.register_forward_pre_hook(self._observe)
 
@@ -167,19 +172,25 @@ class TorchBackend:
         pass
 
 
-def load_backend(manifest: Manifest, backend: BackendName | str,
-                 device: str = "cpu") -> Backend:
-    """Build a backend for the artifact (exporting ONNX once per revision if needed). A GPU
-    device always runs torch: the onnxruntime build here is CPU-only."""
-    if devices.is_gpu(device):
-        return TorchBackend(manifest, devices.torch_device(device))
+def load_backend(manifest: Manifest, backend: BackendName | str, device: str = "cpu",
+                 precision: Precision | str = Precision.FLOAT32) -> Backend:
+    """Build a backend for the artifact at ``precision`` (exporting ONNX, and quantizing it
+    for int8, once per revision if needed). A GPU device always runs torch: the onnxruntime
+    build here is CPU-only. A precision the backend does not run is Unsupported."""
     try:
         name = BackendName(backend)
     except ValueError:
         raise Unsupported(f"backend must be one of {[b.value for b in BackendName]}, "
                           f"got {backend!r}") from None
+    if devices.is_gpu(device):
+        name = BackendName.TORCH
+    precision = check_supported(name, precision)
+    if devices.is_gpu(device) and precision is Precision.INT8:  # quantize_dynamic: CPU only
+        raise Unsupported(f"precision int8 runs on the CPU only, not on {device}")
     if name is BackendName.TORCH:
-        return TorchBackend(manifest)
-    from vllm_srun.runtime.export import ensure_onnx
+        return TorchBackend(manifest, devices.torch_device(device) if devices.is_gpu(device)
+                            else "cpu", precision)
+    from vllm_srun.runtime.export import ensure_onnx, ensure_quantized
 
-    return OnnxBackend(manifest, str(ensure_onnx(manifest)))
+    path = ensure_quantized(manifest) if precision is Precision.INT8 else ensure_onnx(manifest)
+    return OnnxBackend(manifest, str(path), precision=precision)

@@ -1,4 +1,5 @@
-"""Exporting an artifact to ONNX once per revision, into the cache (R1.3).
+"""Exporting an artifact to ONNX once per revision, into the cache (R1.3), and its int8 copy
+(dynamic quantization, R1.5) once per revision beside it.
 
 Several workers may start at once: an exclusive file lock makes one export and the others
 wait and reuse it; the file appears by atomic rename, so a killed exporter leaves no half file.
@@ -22,19 +23,56 @@ def exported_path(manifest: Manifest) -> Path:
     return cache_dir() / "onnx" / f"{manifest.revision}-{manifest.task.value}.onnx"
 
 
+def quantized_path(manifest: Manifest) -> Path:
+    return cache_dir() / "onnx" / f"{manifest.revision}-{manifest.task.value}-int8.onnx"
+
+
 def ensure_onnx(manifest: Manifest) -> Path:
     """The artifact's ONNX file: its own, else the cached export (made now if missing)."""
     if manifest.onnx_path:
         return Path(manifest.onnx_path)
-    target = exported_path(manifest)
+    return _once(exported_path(manifest), lambda target: _export(manifest, target))
+
+
+def ensure_quantized(manifest: Manifest) -> Path:
+    """The int8 copy of the artifact's ONNX file, in the cache (made now if missing)."""
+    source = ensure_onnx(manifest)
+    return _once(quantized_path(manifest), lambda target: _quantize(manifest, source, target))
+
+
+def _once(target: Path, make) -> Path:
+    """``target``, made by ``make(target)`` under a file lock unless it exists."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
-            _export(manifest, target)
+            make(target)
     return target
+
+
+def _quantize(manifest: Manifest, source: Path, target: Path) -> None:
+    """QInt8 weights per output channel (per tensor measured a min cosine of 0.92 against
+    float32 for all-MiniLM-L6-v2 here, per channel 0.98), activations quantized per forward:
+    onnxruntime's MLAS runs these MatMuls on VNNI / AMX int8 units where the CPU has them."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    log.info("onnx_quantize model=%s revision=%s path=%s", manifest.name, manifest.revision,
+             target)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logging.disable(logging.WARNING)  # the quantizer logs every tensor on the root
+            try:
+                quantize_dynamic(str(source), str(tmp), weight_type=QuantType.QInt8,
+                                 per_channel=True)
+            finally:
+                logging.disable(logging.NOTSET)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _export(manifest: Manifest, target: Path) -> None:
