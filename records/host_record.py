@@ -1,5 +1,5 @@
 """The SQLite host record (R4.9): golden digests, timing samples, learned counts, vouchers and
-drift events, keyed by scope = (host fingerprint, artifact revision, backend).
+drift events, keyed by scope = (host fingerprint, artifact revision, backend, precision).
 
 How it works: one file per host, WAL mode, a busy timeout, and one short transaction per
 write, so several workers can write at once and a killed writer loses nothing committed.
@@ -29,6 +29,20 @@ log = logging.getLogger(__name__)
 
 APPLICATION_ID = 0x76735275  # "vsRu"
 MAX_SAMPLES = 256  # timing samples kept per (scope, range, count)
+
+
+
+def _with_precision(table: str, columns: str, names: str, key: str) -> list[str]:
+    """Statements that rebuild ``table`` with a ``precision`` column in its primary key (SQLite
+    cannot alter a key), its rows kept as float32's."""
+    scope = "fingerprint, revision, backend"
+    return [f"""CREATE TABLE {table}_4 (fingerprint TEXT, revision TEXT, backend TEXT,
+               precision TEXT NOT NULL DEFAULT 'float32', {columns},
+               PRIMARY KEY ({scope}, precision{key}))""",
+            f"INSERT INTO {table}_4 ({scope}, {names}) SELECT {scope}, {names} FROM {table}",
+            f"DROP TABLE {table}",
+            f"ALTER TABLE {table}_4 RENAME TO {table}"]
+
 
 MIGRATIONS: list[list[str]] = [
     [  # 1: the base tables
@@ -68,6 +82,27 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE drift ADD COLUMN rows INTEGER",
         "ALTER TABLE drift ADD COLUMN worker TEXT",
     ],
+    [  # 4: the scope gains the precision (R1.5); rows from before are float32's
+        *_with_precision("workers", """model TEXT NOT NULL, mode INTEGER NOT NULL,
+           configured INTEGER NOT NULL, counts TEXT NOT NULL, updated_at REAL NOT NULL""",
+                         "model, mode, configured, counts, updated_at", ""),
+        *_with_precision("golden", "digest TEXT NOT NULL, created_at REAL NOT NULL",
+                         "digest, created_at", ""),
+        *_with_precision("timings", """size_lo INTEGER, num_threads INTEGER,
+           samples_ms TEXT NOT NULL, updated_at REAL NOT NULL""",
+                         "size_lo, num_threads, samples_ms, updated_at",
+                         ", size_lo, num_threads"),
+        *_with_precision("learned", """size_lo INTEGER, num_threads INTEGER NOT NULL,
+           speedup REAL NOT NULL, verified_passes INTEGER NOT NULL, updated_at REAL NOT NULL""",
+                         "size_lo, num_threads, speedup, verified_passes, updated_at",
+                         ", size_lo"),
+        "ALTER TABLE vouchers ADD COLUMN precision TEXT NOT NULL DEFAULT 'float32'",
+        "ALTER TABLE drift ADD COLUMN precision TEXT NOT NULL DEFAULT 'float32'",
+        "DROP INDEX vouchers_scope",
+        "DROP INDEX drift_scope",
+        "CREATE INDEX vouchers_scope ON vouchers (fingerprint, revision, backend, precision)",
+        "CREATE INDEX drift_scope ON drift (fingerprint, revision, backend, precision)",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -78,13 +113,17 @@ class HostRecordError(Exception):
 
 @dataclass(frozen=True)
 class Scope:
+    """What learning is kept per: the host, the artifact's revision, the backend and the
+    precision its forwards run in (answers of one differ from another's)."""
+
     fingerprint: str
     revision: str
     backend: str
+    precision: str = "float32"
 
     def where(self) -> tuple[str, list[str]]:
-        return ("fingerprint = ? AND revision = ? AND backend = ?",
-                [self.fingerprint, self.revision, self.backend])
+        return ("fingerprint = ? AND revision = ? AND backend = ? AND precision = ?",
+                [self.fingerprint, self.revision, self.backend, self.precision])
 
 
 @dataclass(frozen=True)
@@ -307,7 +346,7 @@ class HostRecord:
             db["workers"].upsert({**_scope(scope), "model": model, "mode": mode,
                                   "configured": configured, "counts": json.dumps(counts),
                                   "updated_at": time.time()},
-                                 pk=("fingerprint", "revision", "backend"))
+                                 pk=_KEY)
 
     def worker(self, scope: Scope) -> dict | None:
         where, params = scope.where()
@@ -339,8 +378,7 @@ class HostRecord:
             db["timings"].upsert({**_scope(scope), "size_lo": size_lo,
                                   "num_threads": num_threads, "samples_ms": json.dumps(kept),
                                   "updated_at": time.time()},
-                                 pk=("fingerprint", "revision", "backend", "size_lo",
-                                     "num_threads"))
+                                 pk=(*_KEY, "size_lo", "num_threads"))
 
     def timings(self, scope: Scope) -> dict[int, dict[int, list[float]]]:
         """size_lo -> num_threads -> samples (ms), oldest first."""
@@ -366,7 +404,7 @@ class HostRecord:
             db["learned"].upsert({**_scope(scope), "size_lo": size_lo,
                                   "num_threads": num_threads, "speedup": speedup,
                                   "verified_passes": verified_passes, "updated_at": time.time()},
-                                 pk=("fingerprint", "revision", "backend", "size_lo"))
+                                 pk=(*_KEY, "size_lo"))
 
     def learned(self, scope: Scope) -> dict[int, dict]:
         where, params = scope.where()
@@ -441,11 +479,9 @@ class HostRecord:
             db.execute(f"DELETE FROM timings WHERE {where}", params)
 
     def scopes(self) -> list[Scope]:
-        rows = self._rows("SELECT fingerprint, revision, backend FROM workers UNION "
-                          "SELECT fingerprint, revision, backend FROM golden UNION "
-                          "SELECT fingerprint, revision, backend FROM timings UNION "
-                          "SELECT fingerprint, revision, backend FROM vouchers", [])
-        return [Scope(r["fingerprint"], r["revision"], r["backend"]) for r in rows]
+        rows = self._rows(" UNION ".join(f"SELECT {', '.join(_KEY)} FROM {table}" for table in
+                                         ("workers", "golden", "timings", "vouchers")), [])
+        return [Scope(**r) for r in rows]
 
 
 def _busy(exc: sqlite3.Error) -> bool:
@@ -453,9 +489,11 @@ def _busy(exc: sqlite3.Error) -> bool:
         "locked" in str(exc) or "busy" in str(exc))
 
 
+_KEY = ("fingerprint", "revision", "backend", "precision")
+
+
 def _scope(scope: Scope) -> dict:
-    return {"fingerprint": scope.fingerprint, "revision": scope.revision,
-            "backend": scope.backend}
+    return asdict(scope)
 
 
 def default_record_path(data_dir: Path) -> Path:
