@@ -138,7 +138,7 @@ def build(inp: ReportInput) -> dict:
         "mode": int(inp.mode), "configured_threads": inp.configured,
         "allowed_counts": list(inp.counts),
         "scope": {"fingerprint": inp.scope.fingerprint, "revision": inp.scope.revision,
-                  "backend": inp.scope.backend},
+                  "backend": inp.scope.backend, "precision": inp.scope.precision},
         "record": inp.record_path,
         "voucher": {"comparisons": inp.voucher.comparisons,
                     "mismatches": inp.voucher.mismatches, "swept": inp.voucher.swept,
@@ -239,7 +239,7 @@ def table(report: dict) -> str:
            f"recommendation: {report['recommendation']}"]
     if s is not None:
         top.append(f"scope: host {s['fingerprint']}  revision {s['revision']}  backend "
-                   f"{s['backend']}")
+                   f"{s['backend']}  precision {s.get('precision', 'float32')}")
     top += [f"mode {report['mode']}, configured {report['configured_threads']} threads, "
            f"allowed {report['allowed_counts']}; voucher: "
            f"{'yes' if report['voucher']['vouches'] else 'no'} "
@@ -297,8 +297,8 @@ def plot(reports: list[dict], path: str) -> None:
         ax.set_xlabel("input size range (padded tokens)")
         ax.set_ylabel(f"forward ms ({stat.removesuffix('_ms')}, the decision's statistic)")
         s = rep["scope"] or {"backend": "-", "revision": "-", "fingerprint": "-"}
-        ax.set_title(f"{s['backend']} rev {s['revision']} host {s['fingerprint'][:8]}: "
-                     f"{rep['state']}", fontsize=9)
+        ax.set_title(f"{s['backend']} {s.get('precision', 'float32')} rev {s['revision']} "
+                     f"host {s['fingerprint'][:8]}: {rep['state']}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -54,7 +54,7 @@ def idle_shadows(backend: Backend) -> tuple[Forward, Callable[[], None]]:
 class ShadowProcess:
     """Shadow forwards in a ``SCHED_IDLE`` child process with its own copy of the backend."""
 
-    def __init__(self, manifest: Manifest, backend: str) -> None:
+    def __init__(self, manifest: Manifest, backend: str, precision: str = "float32") -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._armed = ctx.Event()  # set by the child once it dies with this process
@@ -62,7 +62,7 @@ class ShadowProcess:
         self._frozen_ok = False
         self.process = ctx.Process(target=_serve_shadows,
                                    args=(child, manifest, backend, os.getpid(), self._armed,
-                                         self._loaded),
+                                         self._loaded, precision),
                                    name="vllm-srun-shadows", daemon=True)
         # The kernel's parent-death signal follows the *thread* that forks the child: forked
         # from a worker's loader thread, the child was SIGKILLed when that thread ended. So
@@ -127,11 +127,11 @@ class ShadowProcess:
 
 
 def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, armed,
-                   loaded) -> None:
+                   loaded, precision: str = "float32") -> None:
     die_with_parent(parent, signal.SIGKILL)  # SIGKILL: even while frozen
     armed.set()  # only now may the worker freeze it
     make_process_idle()  # every thread made from here on inherits it
-    backend = load_backend(manifest, backend_name)
+    backend = load_backend(manifest, backend_name, precision=precision)
     loaded.set()
     context = ThreadContext()
     waits = RunDelay()

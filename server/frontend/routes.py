@@ -217,7 +217,8 @@ def model_entry(dep: DeploymentPool, local_threads: int | None) -> dict:
              "deployment": dep.name, "revision": m.revision, "task": m.task.value,
              "max_tokens": m.max_tokens,
              "dimensions": m.hidden_size if m.task is Task.EMBED else None,
-             "backend": dep.config.backend or "onnxruntime", "replicas": len(dep.replicas)}
+             "backend": dep.config.backend or "onnxruntime", "replicas": len(dep.replicas),
+             **dep.precision()}
     limits = [r.limits for r in dep.replicas if r.state == "ready" and r.limits]
     if limits and all(x == limits[0] for x in limits):
         entry.update(limits[0])  # what an attaching pool checks (R5.4)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from vllm_srun.runtime.budget import THREADS_ENV
+from vllm_srun.runtime.precision import DTYPE_CHOICES
 from vllm_srun.runtime.types import BackendName
 from vllm_srun.server.frontend.auth import API_KEY_ENV
 from vllm_srun.server.pool.config import (
@@ -79,6 +80,10 @@ DEPLOYMENT_SETTINGS: tuple[Setting, ...] = (
     Setting("--backend", "CPU backend (default onnxruntime, which exports the model to ONNX "
                          "once per revision into the cache); GPU workers run torch",
             key="backend", choices=tuple(b.value for b in BackendName)),
+    Setting("--dtype", "numeric precision of the forwards (default float32, which matches "
+                       "sentence-transformers to 1e-5). bfloat16 (torch) and int8 serve only "
+                       "if the quality gate passes against float32 at load; auto picks the "
+                       "fastest that passes on this host", key="dtype", choices=DTYPE_CHOICES),
     Setting("--revision", "branch, tag or commit of a Hugging Face Hub id MODEL (default: "
                           "main)", key="revision",
             parse=_checked(check_revision), metavar="REV"),

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from vllm_srun.runtime.artifact import DEFAULT_MODEL
 from vllm_srun.runtime.calibrate import CPU_CAP
 from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.runtime.precision import Precision
 from vllm_srun.runtime.types import BackendName
 from vllm_srun.server.frontend.progress import Progress
 
@@ -34,6 +35,11 @@ def add_threads_commands(sub, add_threads_flags) -> None:
                        default=BackendName.ONNXRUNTIME.value, help="CPU backend")
         p.add_argument("--mkl-cbwr", action="store_true",
                        help="torch: run with MKL_CBWR=AUTO, as `serve --mkl-cbwr` does")
+        p.add_argument("--dtype", choices=[x.value for x in Precision],
+                       default=Precision.FLOAT32.value,
+                       help="the precision whose learning this is (learning is kept per "
+                            "precision; for a deployment served with auto, the one it chose: "
+                            "see /v1/models)")
         add_threads_flags(p)
     verify.add_argument("--threads", type=int, default=None,
                         help="the configured count answers are compared against")
@@ -53,6 +59,8 @@ def add_threads_commands(sub, add_threads_flags) -> None:
                                             "median/p90 forward time, learned count, state")
     report.add_argument("--record", default=None, help="host record file")
     report.add_argument("--json", action="store_true", help="print JSON")
+    report.add_argument("--dtype", choices=[x.value for x in Precision], default=None,
+                        help="only this precision's learning (default: every precision)")
     report.add_argument("--plot", default=None, metavar="PNG", help="also write a plot")
 
 
@@ -128,12 +136,13 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"only one allowed count {list(counts)}: nothing to compare, no voucher "
               "(allow more with --max-threads)")
         return 1
-    backend = load_backend(manifest, args.backend)
-    scope = scope_for(manifest, backend, budget)
+    backend = load_backend(manifest, args.backend, precision=args.dtype)
+    scope = scope_for(manifest, backend, budget, args.dtype)
     record = _open(args)
     context = ThreadContext()
     total_tokens = sum(r * n for r, n in plan.shapes)
-    print(f"verify: {manifest.name} rev {manifest.revision} backend {args.backend}, counts "
+    print(f"verify: {manifest.name} rev {manifest.revision} backend {args.backend} precision "
+          f"{args.dtype}, counts "
           f"{list(counts)} against {configured}; {len(plan.shapes)} shapes "
           f"({total_tokens} padded tokens per count): "
           f"{coverage_text(asdict(coverage))}", file=sys.stderr)
@@ -175,7 +184,8 @@ def _report(args: argparse.Namespace) -> int:
     from vllm_srun.tuner.report import document, plot, tables
 
     record = _open(args)
-    doc = document([_scope_report(record, scope) for scope in record.scopes()], "record")
+    doc = document([_scope_report(record, scope) for scope in record.scopes()
+                     if args.dtype is None or scope.precision == args.dtype], "record")
     if args.json:
         print(json.dumps(doc, indent=1))
     elif not doc["reports"]:
@@ -224,14 +234,17 @@ def _reset(args: argparse.Namespace) -> int:
     from vllm_srun.runtime.artifact import resolve
     from vllm_srun.runtime.budget import cpu_budget
     from vllm_srun.runtime.host import host_fingerprint
+    from vllm_srun.runtime.precision import check_supported
 
     manifest = resolve(args.model, args.revision)
     if args.backend == BackendName.TORCH.value:
         import torch  # noqa: F401  (its builds are part of the fingerprint)
     fingerprint, _ = host_fingerprint(args.backend, cpu_budget())
-    scope = Scope(fingerprint, manifest.revision, args.backend)
+    check_supported(args.backend, args.dtype)
+    scope = Scope(fingerprint, manifest.revision, args.backend, args.dtype)
     _open(args).reset(scope)
     print(f"reset learning for host {fingerprint}, {manifest.name} rev {manifest.revision}, "
-          f"backend {args.backend}: drift, learned counts and timings forgotten, vouchers "
-          "retired (run `vllm-srun threads verify` again before mode 2 serves learned counts)")
+          f"backend {args.backend}, precision {args.dtype}: drift, learned counts and timings "
+          "forgotten, vouchers retired (run `vllm-srun threads verify` again before mode 2 "
+          "serves learned counts)")
     return 0

@@ -20,12 +20,15 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from vllm_srun.runtime.device import parse_device
-from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.runtime.errors import ConfigError, Unsupported
+from vllm_srun.runtime.precision import AUTO, check_supported
+from vllm_srun.runtime.quality import GateThresholds
 
 DEFAULT_DEPLOYMENT = "primary"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -53,6 +56,23 @@ class OutlierConfig(_Strict):
     base_ejection_ms: Positive = 30_000
     max_ejection_ms: Annotated[int, Field(ge=1, le=3_600_000, strict=True)] | None = None
     max_ejection_percent: Annotated[int, Field(ge=0, le=100, strict=True)] = 50
+
+
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class QualityGateConfig(_Strict):
+    """Thresholds a reduced precision must reach against float32 at load (R1.5); unset keys
+    keep ``GateThresholds``' defaults."""
+
+    min_cosine: Share | None = None
+    min_label_agreement: Share | None = None
+    max_prob_diff: Share | None = None
+    min_order_agreement: Share | None = None
+    min_span_agreement: Share | None = None
+
+    def thresholds(self) -> GateThresholds:
+        return GateThresholds(**self.model_dump(exclude_none=True))
 
 
 def _check_endpoint(url: str) -> str:
@@ -146,11 +166,27 @@ class DeploymentConfig(_Strict):
         lambda v: None if v is None else check_served_name(v))
     _adaptive = field_validator("adaptive_threads", mode="before")(
         lambda v: None if v is None else check_adaptive(v))
+    # numeric precision of the forwards (R1.5); None: float32
+    dtype: Literal["float32", "bfloat16", "int8", "auto"] | None = None
+    quality_gate: QualityGateConfig | None = None
 
     _endpoint = field_validator("endpoint")(lambda v: None if v is None else _check_endpoint(v))
     _key_env = field_validator("api_key_env")(_check_env_name)
     engine: EngineConfig = EngineConfig()
     outlier_detection: OutlierConfig = OutlierConfig()
+
+    @field_validator("dtype")
+    @classmethod
+    def _backend_runs_dtype(cls, dtype: str | None, info: ValidationInfo) -> str | None:
+        if dtype is not None and dtype != AUTO:
+            try:
+                check_supported(info.data.get("backend") or "onnxruntime", dtype)
+            except Unsupported as exc:
+                raise ValueError(str(exc)) from None
+        return dtype
+
+    def thresholds(self) -> GateThresholds:
+        return self.quality_gate.thresholds() if self.quality_gate else GateThresholds()
 
     @model_validator(mode="after")
     def _placement(self):

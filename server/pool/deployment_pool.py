@@ -64,6 +64,17 @@ class DeploymentPool:
         self._count = count
         self.round_robin = round_robin
 
+    def precision(self) -> dict:
+        """``dtype`` as configured and, once a managed worker chose, its ``precision`` report
+        (what serves, why, the quality gate's thresholds and figures, R1.5): a ready one's
+        first, else any (a refused one says why)."""
+        reports = sorted((r for r in self.replicas if r.precision),
+                         key=lambda r: r.state != ReplicaState.READY)
+        out: dict = {"dtype": self.config.dtype or "float32"}
+        if reports:
+            out["precision"] = reports[0].precision
+        return out
+
     def ready_ids(self) -> list[str]:
         return [r.id for r in self.replicas if r.state == ReplicaState.READY]
 

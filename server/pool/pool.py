@@ -93,7 +93,7 @@ def _shape(dep: DeploymentConfig) -> planning.DeploymentShape:
     declared placements."""
     return planning.DeploymentShape(
         (dep.artifact, dep.revision, dep.backend, dep.engine, dep.adaptive_threads,
-         dep.shorthand),
+         dep.shorthand, dep.dtype, dep.quality_gate),
         tuple((r.device or r.endpoint, r.model) for r in dep.placements()))
 
 
@@ -173,7 +173,8 @@ class Pool:
                           self.options.max_threads, self.options.record, device=device,
                           set_max_num_seqs=dep.engine.max_num_seqs,
                           set_max_num_batched_tokens=dep.engine.max_num_batched_tokens,
-                          revision=dep.revision)
+                          revision=dep.revision,
+                          dtype=dep.dtype or "float32", quality_gate=dep.thresholds())
 
     def mode_of(self, dep: DeploymentConfig) -> AdaptiveMode:
         """The deployment's adaptive-threads mode: its config key, else the process's."""

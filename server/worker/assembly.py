@@ -1,6 +1,7 @@
-"""Assembling one worker (a ``Worker``): artifact, backend, engine arguments and, when asked,
-the adaptive thread tuner with its host record. The same assembly runs in a worker process
-and, for the one-worker shorthand, in the front end's process."""
+"""Assembling one worker (a ``Worker``): artifact, backend at the precision the quality gate
+admits (R1.5), engine arguments and, when asked, the adaptive thread tuner with its host
+record. The same assembly runs in a worker process and, for the one-worker shorthand, in the
+front end's process."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from vllm_srun.runtime.device import is_gpu
 from vllm_srun.runtime.host import host_fingerprint
 from vllm_srun.runtime.paths import data_dir
 from vllm_srun.runtime.runner import Runner
-from vllm_srun.runtime.types import ForwardRecord, Manifest
+from vllm_srun.runtime.selection import PrecisionChoice, choose
+from vllm_srun.runtime.types import BackendName, ForwardRecord, Manifest
 from vllm_srun.server.worker.spec import WorkerSpec
 from vllm_srun.tuner.adaptive import AdaptiveThreads
 from vllm_srun.tuner.free_cpus import FreeCpus
-from vllm_srun.tuner.golden import golden_rows, reference_outputs
+from vllm_srun.tuner.golden import golden_rows, reference_outputs, reference_tolerance
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
 from vllm_srun.tuner.report import build, from_tuner, off_report
 from vllm_srun.tuner.shadows import ShadowProcess
@@ -41,9 +43,10 @@ def open_record(path: Path) -> tuple[HostRecord | None, str | None]:
         return None, str(exc)
 
 
-def scope_for(manifest: Manifest, backend: Backend, budget: int) -> Scope:
+def scope_for(manifest: Manifest, backend: Backend, budget: int,
+              precision: str = "float32") -> Scope:
     fingerprint, _ = host_fingerprint(backend.name, budget)
-    return Scope(fingerprint, manifest.revision, backend.name.value)
+    return Scope(fingerprint, manifest.revision, backend.name.value, precision)
 
 
 class Worker:
@@ -57,6 +60,7 @@ class Worker:
         self.wrap_backend = wrap_backend
         self.manifest = manifest or resolve(spec.model, spec.revision)
         self.tuner: AdaptiveThreads | None = None
+        self.precision: PrecisionChoice | None = None
         self.record_path = record_path(spec.record_path)
 
     def load(self, on_forward: Callable[[ForwardRecord], None] | None = None) -> Runner:
@@ -66,18 +70,29 @@ class Worker:
                       self.spec.device)
         return runner
 
+    def _choose_backend(self) -> Backend:
+        """The backend at the precision the spec asks for, once the quality gate admits it
+        (``self.precision`` says which and why; a refusal keeps the worker out of dispatch)."""
+        spec, manifest = self.spec, self.manifest
+        name = BackendName.TORCH if is_gpu(spec.device) else spec.backend
+        backend, self.precision = choose(
+            manifest, name, spec.dtype, spec.quality_gate, spec.args.num_threads,
+            lambda p: load_backend(manifest, spec.backend, spec.device, p))
+        return backend
+
     def _load(self, on_forward: Callable[[ForwardRecord], None] | None) -> Runner:
         spec, manifest = self.spec, self.manifest
-        backend = load_backend(manifest, spec.backend, spec.device)
+        backend = self._choose_backend()
         if self.wrap_backend is not None:
             backend = self.wrap_backend(backend)
-        if spec.mode is AdaptiveMode.OFF or is_gpu(spec.device):
+        precision = self.precision.precision.value
+        if self.precision.refusal or spec.mode is AdaptiveMode.OFF or is_gpu(spec.device):
             runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
-            runner.start()
+            runner.start(check=lambda: self.precision.refusal)
             return runner
         counts = allowed_counts(spec.args.num_threads, spec.budget, spec.max_threads)
         record, error = open_record(self.record_path)
-        scope = scope_for(manifest, backend, spec.budget)
+        scope = scope_for(manifest, backend, spec.budget, precision)
         if record is not None:
             try:
                 record.note_host(scope.fingerprint, host_fingerprint(backend.name,
@@ -87,7 +102,7 @@ class Worker:
             except HostRecordError as exc:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
-        shadows = ShadowProcess(manifest, backend.name.value)
+        shadows = ShadowProcess(manifest, backend.name.value, precision)
         free = FreeCpus(lambda: (shadows.process.pid,))
 
         def close() -> None:
@@ -103,9 +118,14 @@ class Worker:
         tuner.record_error = tuner.record_error or error
         runner.engine.threads = tuner
         self.tuner = tuner
+        tolerance = reference_tolerance(precision, spec.quality_gate.min_cosine)
         runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer),
-                                                 reference_outputs(manifest.revision)))
+                                                 reference_outputs(manifest.revision),
+                                                 tolerance))
         return runner
+
+    def precision_report(self) -> dict | None:
+        return self.precision.report() if self.precision is not None else None
 
     def threads_report(self, runner: Runner | None) -> dict:
         """This worker's report (``tuner/report.py``: one shape, learning or not)."""

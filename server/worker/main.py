@@ -71,7 +71,8 @@ def create_worker_app(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) ->
         a = runner.args
         return _json(protocol.health_body(runner.manifest.name, runner.manifest.revision,
                                           worker.spec.device, os.getpid(), a.num_threads,
-                                          a.max_num_seqs, a.max_num_batched_tokens))
+                                          a.max_num_seqs, a.max_num_batched_tokens,
+                                          worker.precision_report()))
 
     async def work(request: Request) -> Response:
         runner = loaded.runner

@@ -113,8 +113,11 @@ def decode_rows(content: bytes, headers) -> tuple[np.ndarray, int]:
 
 
 def health_body(model: str, revision: str, device: str, pid: int, num_threads: int,
-                max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+                max_num_seqs: int, max_num_batched_tokens: int,
+                precision: dict | None = None) -> dict:
+    """``precision``: what serves and why, with the quality gate's figures (R1.5)."""
     return {"status": "ok", "model": model, "revision": revision, "device": device,
             "pid": pid, "num_threads": num_threads,
             "limits": {"max_num_seqs": max_num_seqs,
-                       "max_num_batched_tokens": max_num_batched_tokens}}
+                       "max_num_batched_tokens": max_num_batched_tokens},
+            "precision": precision}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from vllm_srun.runtime.quality import GateThresholds
 from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.tuner.adaptive import TunerSettings
 from vllm_srun.tuner.modes import AdaptiveMode
@@ -31,6 +32,8 @@ class WorkerSpec:
     set_max_num_batched_tokens: int | None = None
     calibrate: bool = True
     revision: str | None = None  # the Hub revision when ``model`` is a Hugging Face Hub id
+    dtype: str = "float32"  # a precision, or "auto" (R1.5)
+    quality_gate: GateThresholds = GateThresholds()
 
     def to_json(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -44,4 +47,6 @@ class WorkerSpec:
         raw = orjson.loads(text)
         raw["args"] = EngineArgs(**raw["args"])
         raw["mode"] = AdaptiveMode(raw["mode"])
+        if "quality_gate" in raw:
+            raw["quality_gate"] = GateThresholds(**raw["quality_gate"])
         return cls(**raw)

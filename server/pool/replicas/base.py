@@ -63,6 +63,7 @@ class Replica(abc.ABC):
         self.reason: str | None = "starting"
         self.restarts = 0
         self.limits: dict[str, int] | None = None
+        self.precision: dict | None = None  # what a managed worker serves in, and why (R1.5)
         self.pid: int | None = None
         self._on_transition = on_transition
         self._settled = asyncio.Event()

@@ -51,6 +51,7 @@ class LocalReplica(Replica):
                 self._on_load_failure(str(exc))
             return
         self.runner = runner
+        self.precision = self.worker.precision_report()
         if not runner.ready:
             return self.transition(ReplicaState.FAILED, runner.not_ready_reason or "not ready")
         a = runner.args

@@ -87,6 +87,7 @@ class ProcessReplica(Replica):
             # deterministic (the golden check): not restarted into the same refusal
             self.transition(ReplicaState.FAILED, health[protocol.CHECK_FAILED])
         elif health is not None and not self._stopping:
+            self.precision = health.get("precision")
             self.admit(health.get("limits"), health.get("revision"))
         elif self.proc.returncode is None and not self._stopping:
             self.proc.kill()
