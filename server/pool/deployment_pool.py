@@ -67,7 +67,10 @@ class DeploymentPool:
     def precision(self) -> dict:
         """``dtype`` as configured and, once a managed worker chose, its ``precision`` report
         (what serves, why, the quality gate's thresholds and figures, R1.5): a ready one's
-        first, else any (a refused one says why)."""
+        first, else any (a refused one says why). Nothing for attached endpoints: they
+        report their own."""
+        if all(r.endpoint for r in self.config.placements()):
+            return {}
         reports = sorted((r for r in self.replicas if r.precision),
                          key=lambda r: r.state != ReplicaState.READY)
         out: dict = {"dtype": self.config.dtype or "float32"}
