@@ -68,6 +68,17 @@ def test_dtype_flag_writes_the_deployment_key():
         build_parser().parse_args(["config", "show", "--dtype", "fp8"])
 
 
+def test_quality_gate_flags_write_thresholds():
+    from vllm_srun.server.frontend.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["config", "show", "--quality-gate-min-cosine", "0.9995",
+                                      "--quality-gate-max-prob-diff", "0.1"])
+    dep = config_from_args(args).deployments["primary"]
+    assert dep.thresholds() == GateThresholds(min_cosine=0.9995, max_prob_diff=0.1)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["config", "show", "--quality-gate-min-cosine", "2"])
+
+
 @pytest.mark.parametrize(("dep", "message"), [
     ({"dtype": "fp8"}, "primary.dtype: Input should be 'float32', 'bfloat16', 'int8' or 'auto'"),
     ({"dtype": "bfloat16"}, "primary.dtype: backend onnxruntime does not run precision "

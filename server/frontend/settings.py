@@ -76,6 +76,32 @@ def _integer(flag: str, least: int) -> Callable[[str], int]:
     return parse
 
 
+def _share(flag: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number within 0..1, got {text!r}")
+        return value
+    return parse
+
+
+# The quality gate's thresholds (R1.5): figure -> what it bounds
+_GATE = {"min_cosine": "least cosine of an embedding to float32's (default 0.999)",
+         "min_label_agreement": "least share of labels (classify, token classify) that agree "
+                                "with float32's (default 0.99)",
+         "max_prob_diff": "largest class-probability difference allowed (default: reported, "
+                          "no limit)",
+         "min_order_agreement": "least share of rerank document pairs in float32's order "
+                                "(default 0.99)",
+         "min_span_agreement": "least share of entity spans found by both (default 0.99)"}
+GATE_SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(f"--quality-gate-{key.replace('_', '-')}", f"quality gate: {what}",
+            key=f"quality_gate.{key}", parse=_share(f"--quality-gate-{key.replace('_', '-')}"),
+            metavar="X") for key, what in _GATE.items())
+
 DEPLOYMENT_SETTINGS: tuple[Setting, ...] = (
     Setting("--backend", "CPU backend (default onnxruntime, which exports the model to ONNX "
                          "once per revision into the cache); GPU workers run torch",
@@ -111,6 +137,7 @@ DEPLOYMENT_SETTINGS: tuple[Setting, ...] = (
             key="engine.timeout_ms", parse=_integer("--timeout-ms", 1)),
     Setting("--cache-entries", "rows kept in the result cache (default 4096; 0 turns it off)",
             key="engine.cache_entries", parse=_integer("--cache-entries", 0)),
+    *GATE_SETTINGS,
 )
 
 MAX_THREADS = Setting(
