@@ -83,6 +83,10 @@ def test_quality_gate_flags_write_thresholds():
     ({"dtype": "fp8"}, "primary.dtype: Input should be 'float32', 'bfloat16', 'int8' or 'auto'"),
     ({"dtype": "bfloat16"}, "primary.dtype: backend onnxruntime does not run precision "
                             "bfloat16 (it runs float32, int8)"),
+    ({"device": "cuda:0", "dtype": "int8"}, "primary.dtype: int8 runs on the CPU only, not on "
+                                            "cuda:0"),
+    ({"endpoint": "http://127.0.0.1:9", "model": L6, "dtype": "bfloat16"},
+     "primary.dtype: dtype applies to managed workers"),
     ({"quality_gate": {"min_cosine": 1.5}}, "primary.quality_gate.min_cosine: Input should be "
                                             "less than or equal to 1"),
     ({"quality_gate": {"min_cosin": 0.9}}, "primary.quality_gate.min_cosin: unknown key"),
@@ -104,6 +108,8 @@ def test_dtype_and_thresholds_reach_the_worker_spec():
                       quality_gate=dep.thresholds())
     assert WorkerSpec.from_json(spec.to_json()) == spec
     assert validate(_config()).deployments["primary"].dtype is None  # float32
+    gpu = validate(_config(device="cuda:0", dtype="bfloat16")).deployments["primary"]
+    assert gpu.dtype == "bfloat16"  # GPU replicas run torch, whatever the CPU backend
 
 
 # -- the gate's figures and verdict -------------------------------------------------------

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from vllm_srun.runtime.device import parse_device
+from vllm_srun.runtime.device import is_gpu, parse_device
 from vllm_srun.runtime.errors import ConfigError, Unsupported
 from vllm_srun.runtime.precision import AUTO, check_supported
 from vllm_srun.runtime.quality import GateThresholds
@@ -178,11 +178,23 @@ class DeploymentConfig(_Strict):
     @field_validator("dtype")
     @classmethod
     def _backend_runs_dtype(cls, dtype: str | None, info: ValidationInfo) -> str | None:
-        if dtype is not None and dtype != AUTO:
-            try:
-                check_supported(info.data.get("backend") or "onnxruntime", dtype)
-            except Unsupported as exc:
-                raise ValueError(str(exc)) from None
+        """The backend runs it: CPU replicas the deployment's backend, GPU replicas torch
+        (and no int8: its quantized kernels are CPU-only)."""
+        if dtype is None or dtype == AUTO:
+            return dtype
+        replicas = info.data.get("replicas") or []
+        if info.data.get("endpoint") or (replicas and all(r.endpoint for r in replicas)):
+            raise ValueError("dtype applies to managed workers; an attached endpoint serves "
+                             "in its own precision")
+        devices = [r.device for r in replicas if r.device] or [info.data.get("device") or "cpu"]
+        gpu = [d for d in devices if is_gpu(d)]
+        if gpu and dtype == "int8":
+            raise ValueError(f"int8 runs on the CPU only, not on {gpu[0]}")
+        backend = "torch" if len(gpu) == len(devices) else info.data.get("backend")
+        try:
+            check_supported(backend or "onnxruntime", dtype)
+        except Unsupported as exc:
+            raise ValueError(str(exc)) from None
         return dtype
 
     def thresholds(self) -> GateThresholds:
