@@ -158,7 +158,12 @@ def test_every_deployment_setting_writes_its_config_key():
     samples = {"--backend": "torch", "--revision": "v2", "--served-model-name": "org/name",
                "--adaptive-threads": "learn", "--threads": "3", "--max-num-seqs": "7",
                "--max-num-batched-tokens": "900", "--timeout-ms": "1234",
-               "--cache-entries": "0"}
+               "--cache-entries": "0", "--dtype": "auto",
+               "--quality-gate-min-cosine": "0.9995",
+               "--quality-gate-min-label-agreement": "0.98",
+               "--quality-gate-max-prob-diff": "0.05",
+               "--quality-gate-min-order-agreement": "0.97",
+               "--quality-gate-min-span-agreement": "0.96"}
     assert {s.flag for s in DEPLOYMENT_SETTINGS} == set(samples)
     argv = [x for s in DEPLOYMENT_SETTINGS for x in (s.flag, samples[s.flag])]
     shown = run_cli("config", "show", *argv)
