@@ -88,13 +88,13 @@ def _fake_gpus(vendor: str, log_path: str | None, who: str) -> None:
     class FakeGpuTorch(backend.TorchBackend):
         """The torch backend on the CPU device in place of the GPU it was asked for."""
 
-        def __init__(self, manifest, torch_device: str = "cpu") -> None:
+        def __init__(self, manifest, torch_device: str = "cpu", *rest) -> None:
             if torch_device != "cpu":
                 if not torch_device.startswith("cuda:") or \
                         int(torch_device.split(":")[1]) >= FAKE_GPUS:
                     raise RuntimeError(f"fake gpus: torch has no device {torch_device!r}")
                 note(torch_device=torch_device)
-            super().__init__(manifest, "cpu")
+            super().__init__(manifest, "cpu", *rest)  # rest: the precision
 
     device.gpu_free_bytes = free_bytes
     device.visible_devices = lambda: {"cpu": 1, vendor: FAKE_GPUS}
