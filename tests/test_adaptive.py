@@ -214,7 +214,7 @@ def budget_tuner(backends) -> tuple[AdaptiveThreads, list[float]]:
                           replace(FAST, background=False, budget_fraction=0.5))
     runner.stop()
     tuner.clock = lambda: now[0]
-    tuner._started = 0.0
+    tuner._budget_at = 0.0
     return tuner, now
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, wait_for
+from tests.conftest import FAST, L3, wait_for
 from vllm_srun.records.host_record import HostRecord
 from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.server.worker.assembly import Worker
@@ -86,3 +86,61 @@ def test_a_cross_encoders_pair_shadows_match_the_served_answer_and_record_no_dri
     finally:
         runner.stop()
     assert HostRecord(tmp_path / "record.sqlite").drift(tuner.scope) is None
+
+
+# -- 2. the shadow budget banks idle time only up to a bound (R4.5) --------------------------
+
+def test_an_idle_hour_banks_no_more_than_the_budget_window_of_shadow_time():
+    """R4.5 (a bounded share): the budget grew from start-up without a cap, so after an idle
+    hour half an hour of shadow time could run at once. Now idle time is banked for
+    ``budget_window_s`` only: after the hour, at most ``budget_fraction`` of it (plus the
+    one shadow that overdraws it) runs at once, then the rate holds again. The real tuner
+    and the real L3 forwards; a fake clock, each shadow modelled as 0.1 s on it."""
+    from vllm_srun.records.host_record import Scope
+    from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.runtime.backend import load_backend
+    from vllm_srun.runtime.engine import pad
+    from vllm_srun.tuner.adaptive import AdaptiveThreads
+
+    manifest, now = resolve(L3), [0.0]
+    backend = load_backend(manifest, "onnxruntime")
+
+    def shadow(batch, n):  # a real forward that takes 0.1 s on the fake clock
+        result = backend.forward(batch, n)
+        now[0] += 0.1
+        return result
+
+    settings = TunerSettings(background=False, budget_fraction=0.5, budget_window_s=10.0,
+                             min_samples=10**6)  # the range explores all along: always due
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", manifest.revision, "o"),
+                            None, backend.forward, settings, clock=lambda: now[0],
+                            shadow_forward=shadow)
+    tuner.locked_reason = None  # no golden check: the budget is under test
+
+    def shadows_run_at_once(salt: int) -> float:
+        """Serve one forward, then run shadows until the budget (or 400 of them) stops it;
+        the shadow seconds they charged."""
+        batch = pad([row(30, salt)])
+        tuner.observe(batch, backend.forward(batch, 1))
+        before = tuner._shadow_s
+        for _ in range(400):
+            if not tuner.step():
+                break
+        return tuner._shadow_s - before
+
+    now[0] = hour = 3600.0  # an idle hour since start-up
+    cap = settings.budget_fraction * settings.budget_window_s  # 5 s banked at most
+
+    def bound() -> float:  # the most shadow time since the hour ended: rate, bank, overdraw
+        return settings.budget_fraction * (now[0] - hour) + cap + 0.1 + 1e-9
+
+    burst = shadows_run_at_once(1)  # back to back: the bank, plus the rate meanwhile
+    assert cap <= burst <= bound() and burst <= 10.2, burst  # unbanked: all 400 (40 s)
+    now[0] += 4.0  # 4 s later: about 2 s more (the rate), nothing more of the hour
+    assert 2.0 - 0.1 <= shadows_run_at_once(2) <= 2.0 / (1 - 0.5) + 0.1 + 1e-9
+    assert tuner._shadow_s <= bound()
+
+def row(tokens: int, salt: int = 0) -> list[int]:
+    """A row of ``tokens`` ids ([CLS] ... [SEP]) of the BERT vocabulary, fixed by its seed."""
+    rng = np.random.default_rng(tokens * 1000 + salt)
+    return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]

@@ -106,6 +106,14 @@ class TunerSettings:
     margin: float = 0.05  # a non-configured count must be this much faster
     audit_every: int = 8  # every Nth forward of a learned range: a probe (and audit) shadow
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
+    # ... of which idle time banks at most this long's worth: over any stretch, shadows
+    # take at most ``budget_fraction`` of it plus ``budget_fraction * budget_window_s``
+    # (5 s at 0.5; a back-to-back burst after an idle stretch: 10 s at most). Unbanked, an
+    # idle hour let half an hour of shadows run in one go. A guess, not swept: a few of the
+    # longest shadows (the longest L6 inputs run about a second at 1 thread, FACTS.md) or
+    # a whole transition window of short ones fit in it, so a lull after load still
+    # passes a range's window in one go
+    budget_window_s: float = 10.0
     relearn_factor: float = 1.5  # time at the learned count moved this much: explore again
     relearn_window: int = 16  # served forwards at one count each relearning check rests on
     probe_window: int = 4  # probe shadows at one count each relearning check rests on
@@ -299,7 +307,10 @@ class AdaptiveThreads:
         self._shadow_s = 0.0
         self.shadow_wall_s = 0.0  # ... and what they took in wall time
         self._frozen_s, self._frozen_at = 0.0, None  # frozen so far; since when, if frozen
-        self._started = clock()
+        # the budget as a leaky bucket: shadow time allowed so far (``_shadow_s`` may not
+        # pass it), grown by ``budget_fraction`` of the time since ``_budget_at``, to at
+        # most ``budget_fraction * budget_window_s`` ahead of what shadows ran
+        self._budget_s, self._budget_at = 0.0, clock()
         self._last_flush = clock()
         self._dirty_samples: dict[tuple[int, int], list[float]] = {}
         self._dirty_learned: set[int] = set()
@@ -427,7 +438,7 @@ class AdaptiveThreads:
                 if n != self.configured:
                     self.forward(batches[0], n)
         self.locked_reason = None
-        self._started = self.clock()
+        self._budget_s, self._budget_at = 0.0, self.clock()
         if self.settings.background and self.retired is None:
             self._loop = ShadowLoop(self, batches[0])
             if self.pause_shadows is not None:
@@ -813,9 +824,16 @@ class AdaptiveThreads:
                 self.lock.notify_all()
 
     def shadow_budget_s(self) -> float:
-        """Shadow time allowed so far: ``budget_fraction`` of the time since learning
-        began (``_shadow_s``, what shadows ran, may not pass it)."""
-        return self.settings.budget_fraction * (self.clock() - self._started)
+        """Shadow time allowed so far (``_shadow_s``, what shadows ran, may not pass it):
+        ``budget_fraction`` of the time since learning began, but never more than
+        ``budget_fraction * budget_window_s`` ahead of what shadows ran (idle time is
+        banked up to that much only)."""
+        with self.lock:
+            s, now = self.settings, self.clock()
+            self._budget_s = min(self._budget_s + s.budget_fraction * (now - self._budget_at),
+                                 self._shadow_s + s.budget_fraction * s.budget_window_s)
+            self._budget_at = now
+            return self._budget_s
 
     def _toward_window(self, r: RangeLearning, job: _Job) -> bool:
         """Mode 2, vouched, a range not serving a learned count: ``job``'s one comparison
@@ -886,6 +904,7 @@ class AdaptiveThreads:
             wall = now - began
             waited = (result.waited_s or 0.0) / max(1, count)
             self.shadow_wall_s += wall
+            self.shadow_budget_s()  # banked up to now, before the charge
             self._shadow_s += max(0.0, wall - (self._frozen_total(now) - frozen_before) - waited)
             clean, before = clean_window(0, epoch, self._epoch), self.preempted
             if not clean:

@@ -72,7 +72,8 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "forwards_slow_with_cores_free": t.slow_cores_free,
                            "slowdown_now": slowdown,
                            # shadow time against its budget (``budget_fraction`` of the
-                           # time since learning began): over it, no shadow starts
+                           # time since learning began, idle time banked for
+                           # ``budget_window_s`` at most): over it, no shadow starts
                            "shadow_seconds": round(t._shadow_s, 3),
                            "shadow_wall_seconds": round(t.shadow_wall_s, 3),
                            "shadow_budget_seconds": round(t.shadow_budget_s(), 3)})
