@@ -144,3 +144,60 @@ def row(tokens: int, salt: int = 0) -> list[int]:
     """A row of ``tokens`` ids ([CLS] ... [SEP]) of the BERT vocabulary, fixed by its seed."""
     rng = np.random.default_rng(tokens * 1000 + salt)
     return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
+
+
+# -- 3. contention has hysteresis: a reading between its thresholds changes nothing ---------
+
+def contention_run(caplog, held: list[tuple[float, float]], until_s: float):
+    """Mode 2 on the simulated 2-core host (configured 1, both ranges learn 2 threads in
+    the first minute); from 60 s a neighbour takes a core, so 2 threads run slow, while the
+    free cores read say other tasks hold ``held`` cores of them: ``(from_s, cores)`` steps,
+    the recorded input. Returns the tuner and how often contention started and ended."""
+    import logging
+
+    from vllm_srun.tuner.simulate import Neighbour, SimulatedHost, TimeModel, poisson_trace
+
+    host = SimulatedHost(TimeModel(2), [Neighbour(1, 60)], seed=1)
+    steps = [(0.0, 0.0), *held]
+
+    def free_s() -> float:  # cumulative seconds the cores were left free, to now
+        now, total = host.now_s, 0.0
+        for (start, cores), (end, _) in zip(steps, [*steps[1:], (float("inf"), 0.0)],
+                                            strict=True):
+            total += (2 - cores) * max(0.0, min(now, end) - start)
+        return total
+
+    host.tuner.free_cpu_s = free_s
+    caplog.set_level(logging.INFO, logger="vllm_srun.tuner.adaptive")
+    host.run(poisson_trace(15, 60, [64, 256], seed=1)
+             + poisson_trace(15, until_s - 60, [64, 256], seed=2, start_s=60))
+    assert all(r.learned == 2 for r in host.tuner.ranges.values())
+    started = sum(m.startswith("threads_contended") for m in caplog.messages)
+    ended = sum(m.startswith("threads_contention_over") for m in caplog.messages)
+    return host.tuner, started, ended
+
+
+def test_a_steady_reading_above_the_start_starts_contention_once_and_never_ends_it(caplog):
+    """Contention started where other tasks held at least 0.25 core and ended where they
+    held at most 0.5: a steady 0.35 did both, window by window (old: 40 starts and as many
+    ends in 9 s). With the end (0.125) below the start, it starts once per range and holds
+    (9 s: under ``contention_relearn_s``, so no relearn either)."""
+    tuner, started, ended = contention_run(caplog, [(60.0, 0.35)], 69.0)
+    assert 1 <= started <= len(tuner.ranges) and ended == 0 and tuner.contention_freed == 0
+    assert tuner.contended > 0
+
+
+def test_a_reading_between_the_thresholds_neither_starts_nor_ends_contention(caplog):
+    """0.2 core held, between the end (0.125) and the start (0.25): no contention starts;
+    one begun at 0.6 core held goes on while the reading sits there, and ends once it is
+    under the end threshold."""
+    tuner, started, _ = contention_run(caplog, [(60.0, 0.2)], 69.0)
+    assert started == 0 and tuner.contended == 0
+    held = [(60.0, 0.6), (64.0, 0.2), (68.0, 0.0)]
+    caplog.clear()
+    tuner, started, ended = contention_run(caplog, held, 67.9)
+    assert 1 <= started <= len(tuner.ranges) and ended == 0, (started, ended)
+    caplog.clear()
+    tuner, started, ended = contention_run(caplog, held, 69.0)  # the same run, on to 69 s
+    assert 1 <= started <= len(tuner.ranges) and ended == started, (started, ended)
+    assert tuner.contention_freed == started

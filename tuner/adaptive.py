@@ -128,13 +128,21 @@ class TunerSettings:
     contention_probe_s: float = 0.25  # one forward at the learned count this often tells when
     contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
     contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
-    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it is over once
-    # other tasks leave the learned count's cores free to within ``contention_free_slack``
-    # of a core over a window of ``contention_free_window_s``
+    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it starts only
+    # once other tasks hold at least ``contention_held_min`` of the learned count's cores
+    # over a window of ``contention_free_window_s``, and is over once a window begun after
+    # it started sees them hold at most ``contention_held_end``: below the start, so a
+    # reading between the two neither starts nor ends it (with the end at 0.5, above the
+    # start, any reading between both started and ended it, flapping window by window).
+    # 0.125: an eighth of a core, under half the start; a quiet host's 0.1-s windows read
+    # 0-0.11 held (10th-90th percentile, ``_cores_free``), so most quiet windows end it
+    # (one measurement on one 2-core host: a guess, not swept)
     contention_free_window_s: float = 0.1
-    contention_free_slack: float = 0.5
-    # ... and it starts only once other tasks hold at least this much of those cores
     contention_held_min: float = 0.25
+    contention_held_end: float = 0.125
+    # which counts fit the cores other tasks leave (``_fits``, ``_cores_busy``): to within
+    # this much of a core
+    contention_free_slack: float = 0.5
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
     # ... which halves each this many seconds too: gaps shorter than it, always, would
     # otherwise keep every such shadow out for good (mode 1 under steady 35-ms gaps, after
@@ -658,14 +666,15 @@ class AdaptiveThreads:
 
     def _freed(self, now: float, r: RangeLearning) -> bool | None:
         """Contention is over: over a whole window begun after the fallback began, other
-        tasks left this worker at least the learned count's cores, to within
-        ``contention_free_slack``. None where the free cores cannot be read (probes tell)."""
+        tasks held at most ``contention_held_end`` of the learned count's cores (under
+        ``contention_held_min``, which starts it). None where the free cores cannot be read
+        (probes tell)."""
         rate = self._free_cores(now)
         if rate is None:
             return None if not self._free_ok else False
         cores, began = rate
         return began >= r.contended_since and \
-            cores >= r.learned - self.settings.contention_free_slack
+            cores >= r.learned - self.settings.contention_held_end
 
     def _free_cores(self, now: float) -> tuple[float, float] | None:
         """The cores other tasks left this worker over the last whole window of at least
@@ -685,16 +694,18 @@ class AdaptiveThreads:
             self._unseen_at = now
         self._free_rate = None if free_s is None or stale else \
             ((free_s - mark[1]) / (now - mark[0]), mark[0])
-        if self._free_rate is not None:  # which counts' cores this window left free
-            slack = self.settings.contention_free_slack
+        if self._free_rate is not None:  # which counts' cores this window left free (as
+            # ends contention: a window between the thresholds is no break in it, else a
+            # range contended there would neither end it nor relearn, for good)
+            end = self.settings.contention_held_end
             self._free_at.update({n: now for n in self.counts
-                                  if self._free_rate[0] >= n - slack})
+                                  if self._free_rate[0] >= n - end})
         return self._free_rate
 
     def _cores_busy(self, now: float, n: int) -> bool:
         """A served forward at ``n`` of a range exploring is no sample: other tasks held the
-        cores it needs (``n`` beyond the free cores by more than ``contention_free_slack``:
-        what ends contention). Not once windows have seen them held for
+        cores it needs (``n`` beyond the free cores by more than ``contention_free_slack``).
+        Not once windows have seen them held for
         ``contention_relearn_s`` without a break (as contention relearns): such a neighbour
         is the host now, and the range learns under it. Beside one that took a core 2 s of
         every 4, a range learned from 12 samples per count inside one of its phases (mode 2
