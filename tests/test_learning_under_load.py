@@ -125,7 +125,7 @@ def shadowed_runner(manifest, backend, mode: AdaptiveMode, scope: Scope, record:
     tuner = AdaptiveThreads(mode, 1, (1, 2), scope, record, runner.engine.forward_batch,
                             settings, shadow_forward=shadows.forward, on_close=close,
                             pause_shadows=pause(shadows) if pause else shadows.pause,
-                            free_cpu_s=free)
+                            free_cpu_s=free.latest if free is not None else None)
     runner.engine.threads = tuner
     runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))
     return runner, tuner, shadows

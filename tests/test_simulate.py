@@ -276,7 +276,7 @@ def test_a_slowdown_with_the_cores_free_is_not_contention():
     are, it follows the neighbour (the test above)."""
     neighbours = [Neighbour(1, t, t + 2) for t in range(60, 200, 4)]
     host = SimulatedHost(TimeModel(2), neighbours, seed=1)
-    host.tuner.free_cpu_s = lambda: 2 * host.now_s  # both cores free, whatever runs
+    host.tuner.free_cpu_s = lambda: (host.now_s, 2 * host.now_s)  # both cores free
     outcome = host.run(poisson_trace(15, 200, [64, 256], seed=1))
     t = host.tuner
     assert t.slow_cores_free > 0 and t.contended == 0 and outcome.relearns == 0

@@ -31,17 +31,33 @@ DOCUMENTS = ["Maria lives in Berlin.", "The quick brown fox jumps over the lazy 
 
 
 def worker(model: str, tmp_path: Path, mode: AdaptiveMode = AdaptiveMode.LEARN,
-           settings: TunerSettings = FAST):
+           settings: TunerSettings = FAST, wrap_backend=None):
     """A worker assembled as a deployment assembles it (``Worker``: shadows in a real
     ``SCHED_IDLE`` child process, free cores read from ``/proc``), 1 thread configured,
     counts 1 and 2; returns it and its started runner."""
     spec = WorkerSpec(model, "onnxruntime", EngineArgs(num_threads=1, cache_entries=0),
                       budget=2, mode=mode, record_path=str(tmp_path / "record.sqlite"),
                       settings=settings, calibrate=False)
-    made = Worker(spec)
+    made = Worker(spec, wrap_backend=wrap_backend)
     runner = made.load()
     assert runner.ready, runner.not_ready_reason
     return made, runner
+
+
+def vouch(made: Worker, tmp_path: Path) -> None:
+    """A real sweep (R4.8) of the worker's model over one row of up to 64 tokens at 1 and
+    2 threads, stored as the voucher of its scope; returns once the tuner has read it."""
+    from vllm_srun.runtime.backend import load_backend
+    from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
+
+    backend = load_backend(made.manifest, "onnxruntime")
+    plan = plan_sweep(ShapeBounds(max_rows=1, max_len=64, max_padded=64))
+    checked = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
+    backend.close()
+    assert checked.mismatches == 0 and checked.comparisons > 0
+    HostRecord(tmp_path / "record.sqlite").add_voucher(
+        made.tuner.scope, "verify", checked.comparisons, 0, plan.coverage((1, 2)))
+    assert wait_for(lambda: made.tuner.voucher.vouches, 30)
 
 
 # -- 1. a text pair's shadow gets every input the served forward got (R4.5, R4.7) ----------
@@ -160,12 +176,12 @@ def contention_run(caplog, held: list[tuple[float, float]], until_s: float):
     host = SimulatedHost(TimeModel(2), [Neighbour(1, 60)], seed=1)
     steps = [(0.0, 0.0), *held]
 
-    def free_s() -> float:  # cumulative seconds the cores were left free, to now
+    def free_s() -> tuple[float, float]:  # now, and the seconds cores were left free
         now, total = host.now_s, 0.0
         for (start, cores), (end, _) in zip(steps, [*steps[1:], (float("inf"), 0.0)],
                                             strict=True):
             total += (2 - cores) * max(0.0, min(now, end) - start)
-        return total
+        return now, total
 
     host.tuner.free_cpu_s = free_s
     caplog.set_level(logging.INFO, logger="vllm_srun.tuner.adaptive")
@@ -201,3 +217,56 @@ def test_a_reading_between_the_thresholds_neither_starts_nor_ends_contention(cap
     tuner, started, ended = contention_run(caplog, held, 69.0)  # the same run, on to 69 s
     assert 1 <= started <= len(tuner.ranges) and ended == started, (started, ended)
     assert tuner.contention_freed == started
+
+
+# -- 4. /proc is read off the served path ----------------------------------------------------
+
+def test_a_served_forward_reads_no_proc_file_and_the_free_cores_still_update(
+        tmp_path, monkeypatch):
+    """The free cores (``FreeCpus``: ``/proc/stat`` and one ``/proc/<pid>/stat`` per process
+    it counts) were read under the tuner's lock by served forwards. A worker as a
+    deployment assembles it: every ``/proc`` file ``free_cpus`` opens is counted with the
+    thread that opened it, and the threads that ran ``served_threads`` and ``observe``
+    opened none; the tuner's free-core figure is there and moves on meanwhile."""
+    import builtins
+    import threading
+    import time
+    from dataclasses import replace
+
+    from vllm_srun.tuner import free_cpus
+
+    # mode 2, vouched: the range explores all along on served forwards, each of which
+    # consults the free cores (whatever the shadow side does meanwhile)
+    made, runner = worker(L3, tmp_path, AdaptiveMode.SERVE, replace(FAST, min_samples=10**6))
+    vouch(made, tmp_path)
+    tuner = made.tuner
+    opened: list[tuple[int, str]] = []  # (thread id, path)
+    served: set[int] = set()
+
+    def counting_open(path, *args, **kwargs):
+        opened.append((threading.get_ident(), str(path)))
+        return builtins.open(path, *args, **kwargs)
+
+    for name in ("served_threads", "observe"):  # the real methods, watched
+        real = getattr(tuner, name)
+
+        def watched(*args, real=real):
+            served.add(threading.get_ident())
+            return real(*args)
+
+        monkeypatch.setattr(tuner, name, watched)
+    monkeypatch.setattr(free_cpus, "open", counting_open, raising=False)
+    try:
+        windows = []
+        for i in range(12):
+            runner.engine.submit([row(40, i)]).result(timeout=60)
+            time.sleep(0.15)  # forwards a window apart: each may read a new one
+            windows.append(tuner._free_rate)
+    finally:
+        runner.stop()
+    assert served and opened  # forwards ran; the reader read /proc meanwhile
+    assert all(path.startswith("/proc/") for _, path in opened)
+    on_served_path = [path for ident, path in opened if ident in served]
+    assert on_served_path == []
+    figures = [w for w in windows if w is not None]
+    assert len(figures) >= 6 and len({began for _, began in figures}) >= 5, windows

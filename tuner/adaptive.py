@@ -220,7 +220,7 @@ class AdaptiveThreads:
                  on_close: Callable[[], None] | None = None,
                  worker: str | None = None,
                  pause_shadows: Callable[[bool], bool] | None = None,
-                 free_cpu_s: Callable[[], float | None] | None = None) -> None:
+                 free_cpu_s: Callable[[], tuple[float, float] | None] | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.scope, self.record, self.forward = scope, record, forward
         self.shadow_forward = shadow_forward or forward
@@ -230,7 +230,8 @@ class AdaptiveThreads:
         # freezes (True) and thaws; says if it is frozen (``_pause``: how long it was)
         self._pause_raw = pause_shadows
         self.pause_shadows = self._pause if pause_shadows is not None else None
-        # cumulative CPU seconds other tasks left this worker (``FreeCpus``), or None
+        # the last reading of the CPU seconds other tasks left this worker so far, and when
+        # it was taken on ``clock`` (``FreeCpus.latest``: read off the served path), or None
         self.free_cpu_s = free_cpu_s
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.locked_reason: str | None = "golden check has not run"
@@ -678,22 +679,28 @@ class AdaptiveThreads:
 
     def _free_cores(self, now: float) -> tuple[float, float] | None:
         """The cores other tasks left this worker over the last whole window of at least
-        ``contention_free_window_s`` (``free_cpu_s`` read once per window), and when that
-        window began; None where they cannot be read, or before a whole window."""
+        ``contention_free_window_s`` between two readings of ``free_cpu_s`` (each taken
+        off the served path: reading one here opens no file), and when that window began;
+        None where they cannot be read, or before a whole window."""
         if self.free_cpu_s is None:
             self._free_ok = False
             return None
         mark, window = self._free_mark, self.settings.contention_free_window_s
-        if mark is not None and now - mark[0] < window:
-            return self._free_rate
-        free_s = self.free_cpu_s()
-        self._free_ok = free_s is not None
-        self._free_mark = None if free_s is None else (now, free_s)
-        stale = mark is None or now - mark[0] > 10 * window
-        if stale:  # nothing read since ``mark`` (no forward): what the cores did is unknown
+        reading = self.free_cpu_s()
+        self._free_ok = reading is not None
+        # a reading over 10 windows old says nothing of now (the reader rests while no
+        # forward asks), nor does one over 10 windows after ``mark`` (no forward read in
+        # between): what the cores did meanwhile is unknown
+        old = reading is not None and now - reading[0] > 10 * window
+        if reading is not None and not old and mark is not None and \
+                reading[0] - mark[0] < window:
+            return self._free_rate  # no whole window since the last
+        self._free_mark = None if reading is None or old else reading
+        stale = old or mark is None or reading is None or reading[0] - mark[0] > 10 * window
+        if stale:
             self._unseen_at = now
-        self._free_rate = None if free_s is None or stale else \
-            ((free_s - mark[1]) / (now - mark[0]), mark[0])
+        self._free_rate = None if reading is None or stale else \
+            ((reading[1] - mark[1]) / (reading[0] - mark[0]), mark[0])
         if self._free_rate is not None:  # which counts' cores this window left free (as
             # ends contention: a window between the thresholds is no break in it, else a
             # range contended there would neither end it nor relearn, for good)

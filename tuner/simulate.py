@@ -126,11 +126,12 @@ class SimulatedHost:
         taken = sum(n.cores for n in self.neighbours if n.start_s <= at_s < n.end_s)
         return max(1, self.model.cores - taken)
 
-    def _free_s(self) -> float:
-        """CPU seconds the neighbours left the worker so far (``FreeCpus``)."""
+    def _free_s(self) -> tuple[float, float]:
+        """Now, and the CPU seconds the neighbours left the worker so far
+        (``FreeCpus.latest``)."""
         t = self.now_s
-        return self.model.cores * t - sum(n.cores * (min(t, n.end_s) - n.start_s)
-                                          for n in self.neighbours if n.start_s < t)
+        return t, self.model.cores * t - sum(n.cores * (min(t, n.end_s) - n.start_s)
+                                             for n in self.neighbours if n.start_s < t)
 
     def _ms(self, padded_tokens: int, n: int, at_s: float) -> float:
         ms = self.model.forward_ms(padded_tokens, n, self.free_cores(at_s))

@@ -112,7 +112,7 @@ class Worker:
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
                                 runner.engine.forward_batch, spec.settings,
                                 shadow_forward=shadows.forward, on_close=close,
-                                pause_shadows=shadows.pause, free_cpu_s=free,
+                                pause_shadows=shadows.pause, free_cpu_s=free.latest,
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")
         tuner.record_error = tuner.record_error or error
