@@ -270,3 +270,150 @@ def test_a_served_forward_reads_no_proc_file_and_the_free_cores_still_update(
     assert on_served_path == []
     figures = [w for w in windows if w is not None]
     assert len(figures) >= 6 and len({began for _, began in figures}) >= 5, windows
+
+
+# -- 5. the shadow process's life: respawned, hangs bounded, zombies reaped ----------------
+
+def gone(pid: int) -> bool:
+    """No such process, not even a zombie: it was reaped."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def dead_unreaped(pid: int) -> bool:
+    """A zombie whose every thread has exited: its parent may reap it now (a killed
+    process's leader reads as a zombie while its other threads still exit)."""
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text() and \
+            len(list(Path(f"/proc/{pid}/task").iterdir())) == 1
+    except OSError:
+        return False
+
+
+class SlowerAt:
+    """The real backend with its reported forward time scaled at one count (a forward-time
+    model: which count wins does not hang on this shared host's load); its answers are the
+    real backend's."""
+
+    def __init__(self, backend, count: int, factor: float) -> None:
+        self.backend, self.count, self.factor = backend, count, factor
+        self.name = backend.name
+
+    def forward(self, batch, num_threads):
+        from dataclasses import replace
+
+        result = self.backend.forward(batch, num_threads)
+        scale = self.factor if num_threads == self.count else 1.0
+        return replace(result, forward_s=result.forward_s * scale)
+
+    def twin(self):
+        return SlowerAt(self.backend.twin(), self.count, self.factor)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def test_a_shadow_process_killed_mid_learning_is_respawned_and_learning_goes_on(tmp_path):
+    """A shadow process that died stopped learning for good (no respawn, no audits, ranges
+    in their transition window never passed). Mode 2, vouched by a real sweep, a worker as
+    deployed (its forwards at 1 thread reported 5x slower, so it learns 2): kill -9 its
+    shadow process once the range explores; the failed shadow is counted, the dead child
+    reaped, a new one started after the backoff, and the range passes its transition
+    window, which only shadows pass, and serves its learned count. (Mode 2 times counts on
+    served forwards; mode 1's idle-class shadows, on a host loaded as this shared one, wait
+    for CPUs and are not timed.)"""
+    import os
+    import signal
+    import time
+
+    from vllm_srun.tuner.report import build, from_tuner
+
+    made, runner = worker(L3, tmp_path, AdaptiveMode.SERVE,
+                          wrap_backend=lambda b: SlowerAt(b, 1, 5.0))
+    tuner = made.tuner
+    shadows = tuner.shadow_forward.__self__
+    try:
+        vouch(made, tmp_path)
+        assert wait_for(lambda: tuner.shadows_warm, 120)
+        runner.engine.submit([row(40, 0)]).result(timeout=60)
+        assert tuner.ranges[32].learned is None  # it explores
+        first = shadows.process.pid
+        os.kill(first, signal.SIGKILL)
+        end = time.monotonic() + 120
+        for i in range(1, 10**6):
+            runner.engine.submit([row(40, i)]).result(timeout=60)
+            if tuner.ranges[32].serving or time.monotonic() > end:
+                break
+            time.sleep(0.05)
+        r = tuner.ranges[32]
+        assert r.learned == 2 and r.serving, (r, tuner.shadow_error)
+        assert shadows.respawns >= 1 and shadows.process.pid != first and gone(first)
+        assert tuner.shadow_faults >= 1 and tuner.retired is None
+        assert build(from_tuner(tuner))["learning"]["shadow_faults"] == tuner.shadow_faults
+    finally:
+        runner.stop()
+
+
+def test_a_hung_shadow_process_does_not_hold_up_closing_and_is_gone_after(tmp_path):
+    """A shadow child that hangs (SIGSTOP, not the tuner's freeze) with a shadow in flight:
+    closing the worker waited on it (the shadow loop's 60-s join, then the child). Now
+    closing returns within ``STOP_WAIT_S`` plus ``2 * CLOSE_WAIT_S`` (10 s here: 15 s
+    allowed), and the child is killed and reaped."""
+    import os
+    import signal
+    import time
+
+    made, runner = worker(L3, tmp_path)
+    tuner = made.tuner
+    shadows = tuner.shadow_forward.__self__
+    pid = shadows.process.pid
+    try:
+        assert wait_for(lambda: tuner.shadows_warm and tuner._shadowing == 0, 120)
+        os.kill(pid, signal.SIGSTOP)  # hung, no shadow in flight: nothing thaws it
+        runner.engine.submit([row(40, 0)]).result(timeout=60)  # serving is not held up
+        assert wait_for(lambda: tuner._shadowing == 1, 30)  # its shadow: sent, unanswered
+    finally:
+        began = time.monotonic()
+        runner.stop()
+        closed_s = time.monotonic() - began
+    assert closed_s < 15, closed_s
+    assert gone(pid)
+
+
+def test_a_hung_child_is_killed_and_a_new_one_answers_and_a_dead_one_is_not_frozen():
+    """``ShadowProcess`` alone: a child that gives no answer and uses no CPU for
+    ``hang_s`` (SIGSTOP) fails the forward and is killed and reaped, and the next forward
+    starts a new one; a child killed outright is not counted frozen (``pause``) and is
+    reaped there, not left a zombie."""
+    import os
+    import signal
+    import time
+
+    from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.runtime.engine import pad
+    from vllm_srun.runtime.errors import RuntimeFault
+    from vllm_srun.tuner.shadows import ShadowProcess
+
+    shadows = ShadowProcess(resolve(L3), "onnxruntime", hang_s=2.0)
+    batch = pad([row(20)])
+    try:
+        assert shadows.forward(batch, 1).outputs.shape == (1, 384)
+        hung = shadows.process.pid
+        os.kill(hung, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(RuntimeFault, match="no answer and no CPU time"):
+            shadows.forward(batch, 1)
+        assert 2.0 <= time.monotonic() - began < 10 and gone(hung)
+        assert shadows.forward(batch, 2).outputs.shape == (1, 384)  # a new child
+        assert shadows.respawns == 1 and shadows.process.pid != hung
+        assert wait_for(lambda: shadows._loaded.is_set() and shadows._armed.is_set(), 60)
+        dead = shadows.process.pid
+        os.kill(dead, signal.SIGKILL)
+        assert wait_for(lambda: dead_unreaped(dead), 10)
+        assert shadows.pause(True) is False and gone(dead)
+        with pytest.raises(RuntimeFault, match="shadow process gone"):
+            shadows.forward(batch, 1)
+        assert shadows.forward(batch, 1).outputs.shape == (1, 384)
+        assert shadows.respawns == 2
+    finally:
+        shadows.close()
+    assert gone(shadows.process.pid)

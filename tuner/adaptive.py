@@ -79,6 +79,7 @@ import numpy as np
 
 from vllm_srun.records.host_record import DriftEvent, HostRecord, HostRecordError, Scope, Voucher
 from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.modes import AdaptiveMode
@@ -92,7 +93,7 @@ from vllm_srun.tuner.policy import (
     shadow_plan,
     typical,
 )
-from vllm_srun.tuner.shadows import ShadowLoop
+from vllm_srun.tuner.shadows import STOP_WAIT_S, ShadowLoop
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ class AdaptiveThreads:
         self.locked_reason: str | None = "golden check has not run"
         self.record_error: str | None = None
         self.shadow_error: str | None = None
+        self.shadow_faults = 0  # shadow forwards that failed (a ShadowProcess restarts)
         self.ranges: dict[int, RangeLearning] = {}
         self.comparisons = 0
         self.audits = 0  # verified shadows of forwards served at a learned count
@@ -406,12 +408,15 @@ class AdaptiveThreads:
         if self._record_watch is not None:
             self._record_watch.stop()
             self._record_watch = None
-        if self._loop is not None:
-            self._loop.stop()
-            self._loop = None
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.stop(STOP_WAIT_S):
+            # a shadow in flight did not end (a hung child): closing the shadow side ends it
+            log.warning("shadow_loop_stuck wait_s=%.0f action=close_shadow_side", STOP_WAIT_S)
         self.flush()
         if self.on_close is not None:
             self.on_close()
+        if loop is not None:
+            loop.stop(STOP_WAIT_S)
 
     # -- start-up: warm pass and golden check (R4.3, R4.4) --------------------------------
     def startup(self, golden_rows: list[list[int]],
@@ -916,7 +921,15 @@ class AdaptiveThreads:
             self._shadow_gated = sharing
             began = self.clock()
             frozen_before = self._frozen_total(began)
-        result = self.run_shadow(job.batch, count)
+        try:
+            result = self.run_shadow(job.batch, count)
+        except RuntimeFault:
+            # the shadow side failed (the loop counts it and backs off): not this batch
+            # again, the range's next served batch brings its counts
+            with self.lock:
+                if self._jobs.get(lo) is job:
+                    del self._jobs[lo]
+            raise
         with self.lock:
             now = self.clock()
             wall = now - began

@@ -75,6 +75,9 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            # time since learning began, idle time banked for
                            # ``budget_window_s`` at most): over it, no shadow starts
                            "shadow_seconds": round(t._shadow_s, 3),
+                           # failed shadow forwards (the shadow process died or hung, and
+                           # was started again), each retried after a backoff
+                           "shadow_faults": t.shadow_faults,
                            "shadow_wall_seconds": round(t.shadow_wall_s, 3),
                            "shadow_budget_seconds": round(t.shadow_budget_s(), 3)})
 
