@@ -96,6 +96,7 @@ class _Info:
 
     def __init__(self, manifest) -> None:
         self.artifact, self.revision = manifest.path, manifest.revision
+        self.hub_revision = None  # a local folder, not a Hub id
         self.labels = manifest.labels
 
 
