@@ -44,7 +44,7 @@ class Metrics:
                                  "timeout, deadline, failure, refused, cancelled, neutral, "
                                  "not_sent, overloaded)",
                                  ["deployment", "replica", "outcome"], registry=self.registry)
-        self.ejections = Counter("vllm_srun_replica_ejections", "Outlier ejections (R5.6)",
+        self.ejections = Counter("vllm_srun_replica_ejections", "Outlier ejections",
                                  ["deployment", "replica"], registry=self.registry)
         self.readmissions = Counter("vllm_srun_replica_readmissions",
                                     "Readmissions after ejection (cool-down or success)",
