@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, L6, row, serve_paced, start, wait_for
+from tests.conftest import FAST, L6, SlowerAt, row, serve_paced, start, wait_for
 from vllm_srun.records.host_record import DriftEvent, HostRecord, Scope
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
@@ -88,27 +88,6 @@ def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backe
         runner.stop()
     record.reset(tuner.scope)
     assert record.drift(tuner.scope) is None
-
-
-class SlowerAt:
-    """The real backend with its reported forward time scaled at one count: a forward-time
-    model, so which count wins does not hang on this shared machine's noise. The answers
-    (and so every bit-for-bit check) are the real backend's."""
-
-    def __init__(self, backend, count: int, factor: float) -> None:
-        self.backend, self.count, self.factor = backend, count, factor
-        self.name = backend.name
-
-    def forward(self, batch, num_threads):
-        result = self.backend.forward(batch, num_threads)
-        scale = self.factor if num_threads == self.count else 1.0
-        return replace(result, forward_s=result.forward_s * scale)
-
-    def twin(self):
-        return SlowerAt(self.backend.twin(), self.count, self.factor)
-
-    def close(self) -> None:
-        self.backend.close()
 
 
 def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backends, tmp_path):

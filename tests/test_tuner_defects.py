@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, L3, wait_for
+from tests.conftest import FAST, L3, SlowerAt, wait_for
 from vllm_srun.records.host_record import HostRecord
 from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.server.worker.assembly import Worker
@@ -287,29 +287,6 @@ def dead_unreaped(pid: int) -> bool:
             len(list(Path(f"/proc/{pid}/task").iterdir())) == 1
     except OSError:
         return False
-
-
-class SlowerAt:
-    """The real backend with its reported forward time scaled at one count (a forward-time
-    model: which count wins does not hang on this shared host's load); its answers are the
-    real backend's."""
-
-    def __init__(self, backend, count: int, factor: float) -> None:
-        self.backend, self.count, self.factor = backend, count, factor
-        self.name = backend.name
-
-    def forward(self, batch, num_threads):
-        from dataclasses import replace
-
-        result = self.backend.forward(batch, num_threads)
-        scale = self.factor if num_threads == self.count else 1.0
-        return replace(result, forward_s=result.forward_s * scale)
-
-    def twin(self):
-        return SlowerAt(self.backend.twin(), self.count, self.factor)
-
-    def close(self) -> None:
-        self.backend.close()
 
 
 def test_a_shadow_process_killed_mid_learning_is_respawned_and_learning_goes_on(tmp_path):
