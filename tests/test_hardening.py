@@ -323,7 +323,10 @@ def test_ten_times_capacity_gets_fast_429s_and_leaks_nothing(tmp_path):
 
     config = write_config(tmp_path / "c.yaml", {"primary": {
         "artifact": L6, "replicas": [{"device": "cpu"}],
-        "engine": {"num_threads": 1, "max_num_seqs": 32, "timeout_ms": 5000}}})
+        # the default timeout: on 2 cores the front end's flood of refusals can starve the
+        # worker, and one exchange past a short timeout_ms backs the only replica off, so its
+        # requests meet 503 (the backoff rule, tested elsewhere, not overload handling)
+        "engine": {"num_threads": 1, "max_num_seqs": 32, "timeout_ms": 30000}}})
     server = Server("--config", str(config)).wait_ready()
     try:
         for _ in range(100):
@@ -343,7 +346,8 @@ def test_ten_times_capacity_gets_fast_429s_and_leaks_nothing(tmp_path):
             rounds.append((_proc_stats(server.proc.pid), _proc_stats(worker)))
         (first, _), (after, worker_after) = rounds
         statuses = [s for s, _ in results]
-        assert set(statuses) <= {200, 429}, set(statuses)
+        events = server.client.get("/v1/inventory").json().get("events", [])[-5:]
+        assert set(statuses) <= {200, 429}, (set(statuses), events)
         assert statuses.count(200) > 100 and statuses.count(429) > statuses.count(200)
         refused = sorted(t for s, t in results if s == 429)
         admitted = sorted(t for s, t in results if s == 200)
