@@ -7,7 +7,8 @@ import yaml
 
 from tests.conftest import SEED_PLACEMENT, run_cli
 from vllm_srun.runtime.errors import ConfigError
-from vllm_srun.server.pool.config import apply_flags, check_placement, load, single, validate
+from vllm_srun.server.pool.config import check_placement, load, validate
+from vllm_srun.server.pool.flags import apply_flags, single
 
 # The seed's two examples, as written.
 SEED_OUTLIER = """

@@ -9,10 +9,11 @@ import asyncio
 import pytest
 
 from vllm_srun.server.pool import dispatch
-from vllm_srun.server.pool.config import single, validate
+from vllm_srun.server.pool.config import validate
 from vllm_srun.server.pool.deployment_pool import DeploymentPool
 from vllm_srun.server.pool.dispatch import MAX_IN_FLIGHT, Load
 from vllm_srun.server.pool.errors import PoolError, Refusal
+from vllm_srun.server.pool.flags import single
 from vllm_srun.server.pool.outlier import Outcome, OutlierPolicy, OutlierSettings
 from vllm_srun.server.pool.plan import DeploymentShape, Slot, plan
 from vllm_srun.server.pool.pool import Pool, PoolOptions

@@ -372,7 +372,7 @@ def test_ten_times_capacity_gets_fast_429s_and_leaks_nothing(tmp_path):
 
 
 def test_yaml_config_round_trips_through_safe_dump_only():
-    from vllm_srun.server.pool.config import single
+    from vllm_srun.server.pool.flags import single
 
     text = single(L6).to_yaml()
     assert "!!python" not in text and yaml.safe_load(text)["global"]["model_catalog"]

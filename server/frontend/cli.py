@@ -137,7 +137,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     """The canonical config: the file (if any) with the flags written into it."""
     from vllm_srun.runtime import device
-    from vllm_srun.server.pool.config import apply_flags, load
+    from vllm_srun.server.pool.config import load
+    from vllm_srun.server.pool.flags import apply_flags
 
     base = load(args.config) if args.config else None
     gpu = args.platform in ("cuda", "rocm") or (base is not None and any(

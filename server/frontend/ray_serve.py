@@ -99,7 +99,8 @@ class Engine:
                  max_num_seqs: int = 32, timeout_ms: int = 30_000) -> None:
         from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
         from vllm_srun.server.frontend.auth import api_key
-        from vllm_srun.server.pool.config import EngineConfig, single
+        from vllm_srun.server.pool.config import EngineConfig
+        from vllm_srun.server.pool.flags import single
         from vllm_srun.server.pool.pool import PoolOptions
 
         self.budget = actor_budget()
