@@ -148,6 +148,23 @@ def test_bad_new_flag_values_are_refused_naming_the_flag(capsys, flag, value, me
         assert exit_.value.code == 2 and f"argument {flag}" in err and message in err
 
 
+def test_served_model_name_takes_several_names_and_refuses_a_repeated_one():
+    """``--served-model-name a b`` (vLLM's spelling) writes the list; one name stays a
+    string; a repeated name is refused naming the key."""
+    import yaml
+
+    def shown(*names: str):
+        out = run_cli("config", "show", "all-MiniLM-L6-v2", "--served-model-name", *names)
+        return out, (yaml.safe_load(out.stdout)["global"]["model_catalog"]["deployments"]
+                     ["primary"].get("served_model_name") if out.returncode == 0 else None)
+
+    assert shown("org/a", "b")[1] == ["org/a", "b"]
+    assert shown("org/a")[1] == "org/a"
+    out, _ = shown("a", "b", "a")
+    assert out.returncode != 0
+    assert "primary.served_model_name: served_model_name[2] repeats 'a'" in out.stderr
+
+
 def test_every_deployment_setting_writes_its_config_key():
     """The one declaration table: each flag is on serve and config show, and writes the key
     it names (config show prints it back)."""

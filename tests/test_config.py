@@ -220,7 +220,15 @@ def load_text(text: str):
     ("served_model_name", " padded", r"primary\.served_model_name: "),
     ("served_model_name", "a\nb", r"primary\.served_model_name: "),
     ("served_model_name", "x" * 257, r"primary\.served_model_name: "),
-    ("served_model_name", 7, r"primary\.served_model_name: "),
+    ("served_model_name", 7, r"primary\.served_model_name: served_model_name must be a name "
+                             r"or a list of names, got 7"),
+    ("served_model_name", [], r"primary\.served_model_name: served_model_name must list at "
+                              r"least one name"),
+    ("served_model_name", ["a", "b", "a"], r"primary\.served_model_name: "
+                                           r"served_model_name\[2\] repeats 'a'"),
+    ("served_model_name", ["a", " b"], r"primary\.served_model_name: served_model_name\[1\] "
+                                       r"must be 1-256 printable"),
+    ("served_model_name", ["a", 3], r"primary\.served_model_name: served_model_name\[1\] "),
     ("revision", "a..b", r"primary\.revision: revision must be a Hugging Face Hub branch"),
     ("revision", "-x", r"primary\.revision: "),
 ])
@@ -241,6 +249,24 @@ def test_served_model_names_are_unique_ids():
     deployments["b"]["served_model_name"] = "org/model"
     with pytest.raises(ConfigError, match="already an id of deployment 'a'"):
         validate({"global": {"model_catalog": {"deployments": deployments}}})
+
+
+def test_served_model_name_takes_a_list_whose_names_are_unique_across_deployments():
+    """Several served names (vLLM's and infinity's ``--served-model-name a b``): the first is
+    the reported id; every one is an id no other deployment may take."""
+    deployments = {"a": {"artifact": "all-MiniLM-L6-v2", "served_model_name": ["x", "y"]},
+                   "b": {"artifact": "all-MiniLM-L6-v2", "served_model_name": ["z", "b"]}}
+    config = validate({"global": {"model_catalog": {"deployments": deployments}}})
+    assert config.deployments["a"].served_names == ("x", "y")
+    assert config.deployments["b"].served_names == ("z", "b")  # its own name: one id
+    assert load_text(config.to_yaml()) == config
+    assert validate(_with(DEP + ["artifact"], "m", SEED_OUTLIER)).deployments[
+        "primary"].served_names == ()
+    for clash, owner in (("y", "a"), ("a", "a")):
+        deployments["b"]["served_model_name"] = ["z", clash]
+        with pytest.raises(ConfigError, match=rf"deployments\.b\.served_model_name {clash!r} is "
+                                              rf"already an id of deployment {owner!r}"):
+            validate({"global": {"model_catalog": {"deployments": deployments}}})
 
 
 def test_adaptive_threads_is_refused_where_no_worker_is_managed():

@@ -1,7 +1,8 @@
-"""R7.5: `--served-model-name NAME` is the id clients send and /v1/models lists. As vLLM's
-flag does, it replaces the model's own ids (the folder name, the path), so a TEI or infinity
-user switches by changing the URL only; the deployment's name keeps working (the config's own
-routing key). R4.1/R6.2: `--adaptive-threads` decides the workers' mode over the variable."""
+"""R7.5: `--served-model-name NAME [NAME ...]` are the ids clients send and /v1/models lists
+(one entry each); answers report the first. As vLLM's flag does, they replace the model's own
+ids (the folder name, the path), so a TEI or infinity user switches by changing the URL only;
+the deployment's name keeps working (the config's own routing key). R4.1/R6.2:
+`--adaptive-threads` decides the workers' mode over the variable."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from tests.conftest import Server
 
 SERVED = "BAAI/bge-small-en-v1.5"
+ALIAS = "text-embedding-3-small"  # a second served name: accepted, listed, never reported
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def embedder_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(embedder_dir):
-    server = Server(str(embedder_dir), "--served-model-name", SERVED, "--threads", "1",
+    server = Server(str(embedder_dir), "--served-model-name", SERVED, ALIAS, "--threads", "1",
                     "--backend", "torch", "--adaptive-threads", "learn",
                     env={"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "2"}).wait_ready()
     yield server
@@ -37,17 +39,26 @@ def _embed(server: Server, model: str | None):
     return server.client.post("/v1/embeddings", json=body)
 
 
-def test_models_lists_the_served_name(served):
-    (entry,) = served.client.get("/v1/models").json()["data"]
-    assert (entry["id"], entry["deployment"], entry["dimensions"]) == (SERVED, "primary", 64)
+def test_models_lists_every_served_name(served):
+    first, second = served.client.get("/v1/models").json()["data"]
+    assert (first["id"], second["id"]) == (SERVED, ALIAS)
+    assert {k: v for k, v in first.items() if k != "id"} == \
+        {k: v for k, v in second.items() if k != "id"}  # one deployment, listed twice
+    assert (first["deployment"], first["dimensions"]) == ("primary", 64)
+    infinity = served.client.get("/models").json()["data"]
+    assert [m["id"] for m in infinity] == [SERVED, ALIAS]
     assert served.client.get("/health").json()["model"] == SERVED
+    assert served.client.get("/info").json()["served_model_name"] == SERVED
 
 
-@pytest.mark.parametrize("model", [SERVED, "primary", None])
-def test_requests_naming_the_served_name_or_the_deployment_are_served(served, model):
+@pytest.mark.parametrize("model", [SERVED, ALIAS, "primary", None])
+def test_requests_naming_any_served_name_or_the_deployment_are_served(served, model):
+    """Answers report the first served name, whichever the request sent (as vLLM's do)."""
     r = _embed(served, model)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == SERVED and len(r.json()["data"][0]["embedding"]) == 64
+    r = served.client.post("/embeddings", json={"input": ["hi"], "model": model or SERVED})
+    assert r.status_code == 200 and r.json()["model"] == SERVED, r.text
 
 
 def test_the_replaced_ids_are_unknown_models(served, embedder_dir):
@@ -55,14 +66,16 @@ def test_the_replaced_ids_are_unknown_models(served, embedder_dir):
         r = _embed(served, old)
         assert r.status_code == 404, r.text
         error = r.json()["error"]
-        assert error["code"] == "model_not_found" and SERVED in error["message"]
+        assert error["code"] == "model_not_found"
+        assert SERVED in error["message"] and ALIAS in error["message"]
 
 
 def test_openai_client_sends_the_served_name(served):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{served.url}/v1", api_key="unused")
-    out = client.embeddings.create(model=SERVED, input=["hello"])
+    assert [m.id for m in client.models.list()] == [SERVED, ALIAS]
+    out = client.embeddings.create(model=ALIAS, input=["hello"])
     assert out.model == SERVED and len(out.data[0].embedding) == 64
 
 

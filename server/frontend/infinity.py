@@ -41,7 +41,7 @@ from vllm_srun.server.frontend.routes import (
     usage,
 )
 from vllm_srun.server.frontend.tasks import rerank_pairs
-from vllm_srun.server.pool.deployment_pool import DeploymentPool
+from vllm_srun.server.pool.deployment_pool import DeploymentPool, listed_ids
 
 router = APIRouter()
 NOT_SPECIFIED = "default/not-specified"  # infinity's default ``model``
@@ -163,9 +163,10 @@ async def models(request: Request) -> Response:
     """infinity's model list (``owned_by`` is infinity's constant, which its clients
     check)."""
     pool = request.app.state.server.pool
-    data = [{"id": dep.info.name, "object": "model", "owned_by": "infinity", "created": 0,
+    data = [{"id": model_id, "object": "model", "owned_by": "infinity", "created": 0,
              "backend": dep.config.backend or "onnxruntime",
              "capabilities": _CAPABILITIES[dep.info.task],
              "stats": {"replicas": len(dep.replicas), "ready": len(dep.ready_ids())}}
-            for dep in list(pool.deployments.values())]
+            for dep in list(pool.deployments.values())
+            for model_id in listed_ids(dep.config, dep.info)]
     return json_response({"object": "list", "data": data})

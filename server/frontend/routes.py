@@ -43,7 +43,7 @@ from vllm_srun.server.frontend.tasks import (
     rerank_pairs,
     task_mismatch,
 )
-from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo
+from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo, listed_ids
 from vllm_srun.server.pool.errors import ExchangeError, PoolError
 from vllm_srun.server.worker.bridge import OFFLOAD_CHARS
 from vllm_srun.server.worker.protocol import error_body
@@ -211,9 +211,9 @@ async def rerank(request: Request) -> Response:
     return await answer(request, "rerank", work)
 
 
-def model_entry(dep: DeploymentPool, local_threads: int | None) -> dict:
+def model_entry(dep: DeploymentPool, local_threads: int | None, model_id: str) -> dict:
     m = dep.info
-    entry = {"id": m.name, "object": "model", "created": 0, "owned_by": "vllm-srun",
+    entry = {"id": model_id, "object": "model", "created": 0, "owned_by": "vllm-srun",
              "deployment": dep.name, "revision": m.revision, "task": m.task.value,
              "max_tokens": m.max_tokens,
              "dimensions": m.hidden_size if m.task is Task.EMBED else None,
@@ -229,11 +229,15 @@ def model_entry(dep: DeploymentPool, local_threads: int | None) -> dict:
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
+    """One entry per served id: a deployment with several served names is listed under each
+    (as vLLM lists them)."""
     pool = request.app.state.server.pool
     local = pool.local_replica()
     data = [model_entry(dep, local.runner.args.num_threads if local is not None
-                        and local in dep.replicas and local.runner is not None else None)
-            for dep in list(pool.deployments.values())]
+                        and local in dep.replicas and local.runner is not None else None,
+                        model_id)
+            for dep in list(pool.deployments.values())
+            for model_id in listed_ids(dep.config, dep.info)]
     return json_response({"object": "list", "data": data})
 
 

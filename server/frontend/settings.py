@@ -42,6 +42,7 @@ class Setting:
     parse: Callable[[str], object] | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    nargs: str | None = None  # "+": one or more values, written as a list (one: the value)
 
     @property
     def dest(self) -> str:
@@ -113,11 +114,13 @@ DEPLOYMENT_SETTINGS: tuple[Setting, ...] = (
     Setting("--revision", "branch, tag or commit of a Hugging Face Hub id MODEL (default: "
                           "main)", key="revision",
             parse=_checked(check_revision), metavar="REV"),
-    Setting("--served-model-name", "the model id clients send and /v1/models lists; it "
-                                   "replaces the model's own id (default: the built-in name, "
-                                   "the Hub id or the folder's name)",
+    Setting("--served-model-name", "one or more model ids clients send; /v1/models lists "
+                                   "each and answers report the first. They replace the "
+                                   "model's own id (default: the built-in name, the Hub id or "
+                                   "the folder's name). Put it after MODEL: it takes every "
+                                   "word up to the next flag",
             key="served_model_name", parse=_checked(check_served_name),
-            metavar="NAME"),
+            metavar="NAME", nargs="+"),
     Setting("--adaptive-threads", "learn the fastest intra-op thread count per input size: "
                                   "off; learn (learn and report, serve at the configured "
                                   "count); serve (also serve learned counts once verified). "
@@ -164,10 +167,13 @@ def add_flags(parser: argparse.ArgumentParser, settings: Iterable[Setting]) -> N
     """One flag per setting; each defaults to None (unset: the file, then the variable)."""
     for s in settings:
         parser.add_argument(s.flag, dest=s.dest, type=s.parse, choices=s.choices,
-                            metavar=s.metavar, default=None, help=s.full_help())
+                            metavar=s.metavar, nargs=s.nargs, default=None,
+                            help=s.full_help())
 
 
 def deployment_edits(args: argparse.Namespace) -> dict[str, object]:
-    """The config keys the given deployment flags write (dotted key -> value)."""
-    return {s.key: value for s in DEPLOYMENT_SETTINGS
-            if s.key is not None and (value := getattr(args, s.dest, None)) is not None}
+    """The config keys the given deployment flags write (dotted key -> value; a flag given
+    one of several values it may take writes that value, not a list)."""
+    edits = {s.key: value for s in DEPLOYMENT_SETTINGS
+             if s.key is not None and (value := getattr(args, s.dest, None)) is not None}
+    return {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in edits.items()}

@@ -82,12 +82,29 @@ _SERVED = re.compile(r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]{0,254}[^\s\x00-\x1
 ADAPTIVE_NAMES = ("off", "learn", "serve")  # VLLM_SRUN_CPU_ADAPTIVE_THREADS=0, 1, 2
 
 
-def check_served_name(name: str) -> str:
-    """The id clients send: 1-256 printable characters, no surrounding whitespace."""
+def check_served_name(name: str, key: str = "served_model_name") -> str:
+    """An id clients send: 1-256 printable characters, no surrounding whitespace."""
     if not isinstance(name, str) or not _SERVED.match(name):
-        raise ValueError(f"served_model_name must be 1-256 printable characters without "
+        raise ValueError(f"{key} must be 1-256 printable characters without "
                          f"leading or trailing whitespace, got {name!r}")
     return name
+
+
+def check_served_names(value: object) -> str | list[str]:
+    """``served_model_name``: one id, or a list of distinct ids (the first is the one answers
+    report, every one is accepted in a request's ``model``), as vLLM's flag takes them."""
+    if isinstance(value, str):
+        return check_served_name(value)
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"served_model_name must be a name or a list of names, got {value!r}")
+    if not value:
+        raise ValueError("served_model_name must list at least one name (omit the key for "
+                         "the model's own id)")
+    names = [check_served_name(v, f"served_model_name[{i}]") for i, v in enumerate(value)]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"served_model_name[{i}] repeats {name!r}; list each name once")
+    return names
 
 
 def check_revision(rev: str) -> str:
@@ -154,12 +171,13 @@ class DeploymentConfig(_Strict):
     api_key_env: str | None = None
     replicas: list[ReplicaConfig] | None = None
     revision: str | None = None  # the Hub revision of a Hugging Face Hub id artifact
-    served_model_name: str | None = None  # the id clients send (default: the model's name)
+    # the ids clients send, the first the one answers report (default: the model's name)
+    served_model_name: str | list[str] | None = None
     adaptive_threads: Literal["off", "learn", "serve"] | None = None  # None: the env var
 
     _revision = field_validator("revision")(lambda v: None if v is None else check_revision(v))
-    _served = field_validator("served_model_name")(
-        lambda v: None if v is None else check_served_name(v))
+    _served = field_validator("served_model_name", mode="before")(
+        lambda v: None if v is None else check_served_names(v))
     _adaptive = field_validator("adaptive_threads", mode="before")(
         lambda v: None if v is None else check_adaptive(v))
     # numeric precision of the forwards (R1.5); None: float32
@@ -228,6 +246,12 @@ class DeploymentConfig(_Strict):
     def shorthand(self) -> bool:
         return self.replicas is None
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """``served_model_name`` as a tuple (empty: unset); the first is the reported id."""
+        names = self.served_model_name
+        return () if names is None else (names,) if isinstance(names, str) else tuple(names)
+
 
 class RouterConfig(_Strict):
     enabled: bool = False
@@ -252,11 +276,11 @@ class CatalogConfig(_Strict):
                                  "letters, digits, '.', '_' or '-'")
         taken = {name: name for name in self.deployments}  # id -> the deployment it names
         for name, dep in self.deployments.items():
-            served = dep.served_model_name
-            if served is not None and taken.get(served, name) != name:
-                raise ValueError(f"deployments.{name}.served_model_name {served!r} is already "
-                                 f"an id of deployment {taken[served]!r}; ids must be unique")
-            if served is not None:
+            for served in dep.served_names:
+                if taken.get(served, name) != name:
+                    raise ValueError(f"deployments.{name}.served_model_name {served!r} is "
+                                     f"already an id of deployment {taken[served]!r}; ids must "
+                                     f"be unique")
                 taken[served] = name
         return self
 

@@ -43,12 +43,17 @@ class ModelInfo:
 
 def served_ids(name: str, config: DeploymentConfig, info: ModelInfo) -> tuple[str, ...]:
     """The model ids a request may send for deployment ``name``: the deployment's name and
-    the id ``/v1/models`` lists; without ``served_model_name`` also the artifact as the
-    config spells it. A ``served_model_name`` replaces the model's own ids, as vLLM's
+    the ids ``/v1/models`` lists; without ``served_model_name`` also the artifact as the
+    config spells it. ``served_model_name``'s names replace the model's own ids, as vLLM's
     ``--served-model-name`` does."""
-    if config.served_model_name is not None:
-        return (name, config.served_model_name)
+    if config.served_names:
+        return (name, *config.served_names)
     return (name, info.name, config.artifact)
+
+
+def listed_ids(config: DeploymentConfig, info: ModelInfo) -> tuple[str, ...]:
+    """The ids ``/v1/models`` lists for a deployment: every served name, else the model's."""
+    return config.served_names or (info.name,)
 
 
 class DeploymentPool:

@@ -36,7 +36,7 @@ from vllm_srun.server.pool.config import (
     endpoint_key,
     replica_key_path,
 )
-from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo, served_ids
+from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo, listed_ids, served_ids
 from vllm_srun.server.pool.errors import PoolError, Refusal
 from vllm_srun.server.pool.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
 from vllm_srun.server.pool.replicas import (
@@ -99,7 +99,7 @@ def _shape(dep: DeploymentConfig) -> planning.DeploymentShape:
 
 def _model_info(dep: DeploymentConfig) -> tuple[ModelInfo, Manifest | None]:
     """What the front end knows of ``dep``'s model; its id is ``served_model_name`` if set."""
-    served = dep.served_model_name
+    served = dep.served_names[0] if dep.served_names else None
     try:
         m = resolve(dep.artifact, dep.revision)
     except RuntimeFault:
@@ -238,8 +238,8 @@ class Pool:
             slots = chosen.slots[name]
             kept = [by_id[s.keep] for s in slots if s.keep]
             info, manifest = (kept[0][0].info, None) if kept else _model_info(dep)
-            info = dataclasses.replace(info, name=dep.served_model_name or info.model_name
-                                       or info.name)
+            info = dataclasses.replace(info, name=(dep.served_names or (None,))[0]
+                                       or info.model_name or info.name)
             policy = self._policy(name, dep)
             replicas = []
             for slot in slots:
@@ -363,7 +363,8 @@ class Pool:
         for d in self.deployments.values():
             if model in served_ids(d.name, d.config, d.info):
                 return d
-        names = sorted({*self.deployments, *(d.info.name for d in self.deployments.values())})
+        names = sorted({*self.deployments, *(n for d in self.deployments.values()
+                                             for n in listed_ids(d.config, d.info))})
         raise PoolError(Refusal.UNKNOWN_MODEL, f"model {model!r} is not served here; "
                                                f"served: {names}")
 
