@@ -34,7 +34,8 @@ def assert_error_shape(response: httpx.Response) -> None:
 
 
 # text-embeddings-inference's routes answer its ErrorResponse, with the R7.2 code (R7.5)
-TEI_PATHS = ("/embed", "/rerank", "/predict", "/similarity", "/tokenize", "/decode", "/info")
+TEI_PATHS = ("/embed", "/rerank", "/predict", "/similarity", "/tokenize", "/decode", "/info",
+             "/embed_all", "/embed_sparse")
 
 
 def assert_tei_error_shape(response: httpx.Response) -> None:

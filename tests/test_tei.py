@@ -186,6 +186,33 @@ def test_tokenize_and_decode_answer_as_tei_does(server):
     tei_error(c.post("/tokenize", json={"inputs": []}), 400, "inputs")
 
 
+@pytest.mark.parametrize("path,words", [
+    ("/embed_all", ("per-token vectors are not available", "use /embed")),
+    ("/embed_sparse", ("not an embedding model with SPLADE pooling", "use /embed")),
+])
+def test_unpooled_routes_check_the_request_then_answer_teis_424(server, classifier_server,
+                                                                path, words):
+    """R7.5: ``/embed_all`` and ``/embed_sparse`` take TEI's own request (from its document)
+    and answer TEI's documented 424 (``Backend``) for a model that cannot give their output:
+    the workers return pooled vectors only, and the model has no SPLADE head (nor does any
+    model here). The request is checked first, as TEI checks it (400, 413, 422)."""
+    body = openapi_check.example_request(TEI, openapi_check.request_schema(TEI, path),
+                                         {"inputs": TEXTS})
+    assert openapi_check.response_schema(TEI, path, "post", "424") == "ErrorResponse"
+    for target, said in ((server, words), (classifier_server, ("is not an embedding model",
+                                                               "(classify)"))):
+        r = target.client.post(path, json=body)
+        assert tei_error(r, 424, path, *said)
+        assert r.json()["error_type"] == "Backend"
+    c = server.client
+    tei_error(c.post(path, json={"inputs": []}), 400, "inputs must not be an empty list")
+    tei_error(c.post(path, json={"inputs": ["x"] * 2049}), 413, "inputs has 2049 items")
+    tei_error(c.post(path, json={"inputs": "x", "normalize": True}), 400, "'normalize'")
+    tei_error(c.post(path, json={"inputs": [[101, 102]]}), 422, "token-id")
+    counted = f'vllm_srun_requests_total{{endpoint="{path[1:]}",outcome="not_available"}}'
+    assert counted in c.get("/metrics").text
+
+
 def test_peer_fields_are_honoured_and_unknown_ones_refused_naming_them(server):
     """R7.5: TEI's and OpenAI's fields are accepted (``user`` ignored); a field no peer sends
     is a 400 naming every unknown one; ``truncation_direction: Left`` is refused where it

@@ -2,8 +2,9 @@
 headers. Every error answer of the API goes through :func:`http_error`.
 
 Bodies are ``{"error": {"code", "message"}}``: 400 invalid request, 401 unauthorized, 404
-unknown model, 413 too large, 422 unsupported, 429 overloaded, 503 not ready or a failed
-replica, 504 deadline.
+unknown model, 413 too large, 422 unsupported, 424 not available from this model (TEI's
+``/embed_all`` and ``/embed_sparse``, as TEI answers), 429 overloaded, 503 not ready or a
+failed replica, 504 deadline.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ CODE_TO_STATUS: dict[str, int] = {
     "method_not_allowed": 405,
     "too_large": 413,
     "unsupported": 422,
+    "not_available": 424,
     "overloaded": 429,
     "internal_error": 500,
     "replica_error": 502,

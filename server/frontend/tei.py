@@ -6,7 +6,9 @@
 ``system.decision_model`` binding, else the only one). Each goes through the same request
 path as ``/v1`` (``routes.py``), so a vector or score equals the ``/v1`` route's. Errors keep
 the R7.2 status and code, in TEI's body: ``{"error": message, "error_type": ..., "code"}``.
-``/embed_all`` and ``/embed_sparse`` (per-token vectors, SPLADE) are not offered.
+``/embed_all`` (per-token vectors) and ``/embed_sparse`` (SPLADE) check their request, then
+answer TEI's 424 for a model that cannot give them: the workers pool inside the forward, and
+no model here has SPLADE pooling (an MLM head).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from vllm_srun.server.pool.errors import PoolError
 router = APIRouter()
 
 # TEI's ErrorType for each R7.2 code (anything the request got wrong is "Validation")
-_ERROR_TYPE = {"overloaded": "Overloaded", "not_ready": "Unhealthy",
+_ERROR_TYPE = {"overloaded": "Overloaded", "not_ready": "Unhealthy", "not_available": "Backend",
                "replica_failed": "Unhealthy", "replica_unavailable": "Unhealthy",
                "replica_unauthorized": "Unhealthy", "replica_error": "Backend",
                "internal_error": "Backend", "deadline_exceeded": "Backend"}
@@ -74,6 +76,15 @@ class EmbedBody(_Body):
     truncation_direction: Direction = "right"
     prompt_name: StrictStr | None = None
     dimensions: StrictInt | None = None
+
+
+class UnpooledBody(_Body):
+    """TEI's EmbedAllRequest and EmbedSparseRequest."""
+
+    inputs: StrictStr | list[StrictStr | list[StrictInt]]
+    truncate: StrictBool | None = None
+    truncation_direction: Direction = "right"
+    prompt_name: StrictStr | None = None
 
 
 class RerankBody(_Body):
@@ -131,6 +142,37 @@ async def embed_route(request: Request) -> Response:
             EmbedOptions(body.normalize, body.dimensions, body.prompt_name), "inputs")
         return json_response(vectors, headers=headers)
     return await answer(request, "embed", work, tei_error)
+
+
+def _not_available(route: str, info: ModelInfo) -> ApiError:
+    """TEI's answer (424, ``Backend``) where the model cannot give ``route``'s output."""
+    if info.task is not Task.EMBED:
+        why = f"model {info.name!r} is not an embedding model ({info.task.value})"
+    elif route == "/embed_sparse":
+        why = (f"model {info.name!r} is not an embedding model with SPLADE pooling (it has "
+               f"no masked-language-model head); use /embed")
+    else:
+        why = (f"per-token vectors are not available for model {info.name!r}: its workers "
+               f"answer pooled vectors only; use /embed")
+    return ApiError("not_available", f"{route}: {why}")
+
+
+@router.post("/embed_all", openapi_extra=body_schema(UnpooledBody))
+async def embed_all(request: Request) -> Response:
+    async def work() -> Response:
+        body, dep = await read(request, UnpooledBody)
+        texts_of(body.inputs, "inputs")
+        raise _not_available("/embed_all", dep.info)
+    return await answer(request, "embed_all", work, tei_error)
+
+
+@router.post("/embed_sparse", openapi_extra=body_schema(UnpooledBody))
+async def embed_sparse(request: Request) -> Response:
+    async def work() -> Response:
+        body, dep = await read(request, UnpooledBody)
+        texts_of(body.inputs, "inputs")
+        raise _not_available("/embed_sparse", dep.info)
+    return await answer(request, "embed_sparse", work, tei_error)
 
 
 @router.post("/similarity", openapi_extra=body_schema(SimilarityBody))
