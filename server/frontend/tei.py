@@ -149,8 +149,8 @@ def _not_available(route: str, info: ModelInfo) -> ApiError:
     if info.task is not Task.EMBED:
         why = f"model {info.name!r} is not an embedding model ({info.task.value})"
     elif route == "/embed_sparse":
-        why = (f"model {info.name!r} is not an embedding model with SPLADE pooling (it has "
-               f"no masked-language-model head); use /embed")
+        why = (f"model {info.name!r} is not an embedding model with SPLADE pooling (no "
+               f"masked-language-model head is loaded); use /embed")
     else:
         why = (f"per-token vectors are not available for model {info.name!r}: its workers "
                f"answer pooled vectors only; use /embed")
