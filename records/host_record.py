@@ -332,9 +332,12 @@ class HostRecord:
                                  pk=(*_KEY, "size_lo"))
 
     def learned(self, scope: Scope) -> dict[int, dict]:
+        """size_lo -> the count any worker of the scope last learned for the range (with
+        its speed-up, verified passes and when it was written, ``time.time()``)."""
         where, params = scope.where()
         return {r["size_lo"]: r for r in self._rows(
-            f"SELECT size_lo, num_threads, speedup, verified_passes FROM learned WHERE {where}",
+            f"SELECT size_lo, num_threads, speedup, verified_passes, updated_at FROM learned "
+            f"WHERE {where}",
             params)}
 
     # -- vouchers and drift ----------------------------------------------------------------

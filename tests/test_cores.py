@@ -1,0 +1,276 @@
+"""Workers of one host share its cores (R4.12): the core ledger with real processes and a real
+file, the pure grant rule, the per-worker cadence that keeps readings and reactions out of
+step, and what siblings of a scope learned read from a real SQLite record. (A real
+multi-replica deployment opening one ledger: tests/test_pool.py, the seed's placement.)"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from vllm_srun.records.host_record import HostRecord, Scope
+from vllm_srun.runtime.engine import FixedThreads
+from vllm_srun.tuner import cadence
+from vllm_srun.tuner.cores import (
+    SLOTS,
+    CoreShare,
+    CoreShareError,
+    SharedCores,
+    SiblingCount,
+    grant,
+    siblings_learned,
+    starting_counts,
+)
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl OFD locks")
+SPAWN = multiprocessing.get_context("spawn")
+BUDGET = 8
+
+
+# -- the pure rule -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("want", "floor", "others", "budget", "granted"), [
+    (4, 1, 4, 8, 4),   # fits exactly
+    (4, 1, 5, 8, 1),   # one over: the configured count
+    (1, 2, 64, 8, 1),  # below the configured count: always
+    (2, 2, 64, 8, 2),  # the configured count: always, even past the budget
+    (16, 4, 0, 16, 16),
+    (16, 4, 1, 16, 4),
+])
+def test_grant_allows_a_higher_count_only_within_the_budget(want, floor, others, budget,
+                                                           granted):
+    """R4.12: a count above the configured one only while all workers' threads stay within
+    the budget; the configured count (exact at every vouched count) otherwise."""
+    assert grant(want, floor, others, budget) == granted
+
+
+# -- the ledger with real processes ------------------------------------------------------
+
+def _claim_in_a_loop(path: str, start, seconds: float, seed: int, out) -> None:
+    """Claim 3-6 threads over and over (configured 0: a refusal holds nothing) and, while
+    holding a grant, read what all workers hold: puts (most seen, grants, refusals)."""
+    share = CoreShare.open(path, BUDGET, f"w{seed}", linger_s=0.0)
+    start.wait(60)  # every process has opened the ledger
+    most = granted = refused = 0
+    end, want = time.monotonic() + seconds, 3 + seed % 4
+    while time.monotonic() < end:
+        if share.claim(want, 0):
+            most = max(most, share.in_use_locked())
+            granted += 1
+        else:
+            refused += 1
+        share.release()
+        want = 3 + (want + 1) % 4
+    share.close()
+    out.put((most, granted, refused))
+
+
+@linux
+def test_workers_claiming_at_once_never_hold_more_than_the_budget(tmp_path):
+    """Four processes claim in a tight loop on one ledger: each, while it holds a grant, reads
+    the threads all of them hold, and no reading passes the budget; grants and refusals both
+    happen (they did contend)."""
+    path = str(tmp_path / "host.cores")
+    start, out = SPAWN.Barrier(4), SPAWN.Queue()
+    procs = [SPAWN.Process(target=_claim_in_a_loop, args=(path, start, 1.5, seed, out))
+             for seed in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=90) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            p.kill()
+    assert max(most for most, _, _ in results) <= BUDGET, results
+    assert sum(g for _, g, _ in results) > 100 and sum(r for _, _, r in results) > 100, results
+
+
+def _hold_a_claim(path: str, ready) -> None:
+    share = CoreShare.open(path, BUDGET, "doomed")
+    share.claim(6, 1)
+    ready.set()
+    time.sleep(600)  # killed mid-forward
+
+
+@linux
+def test_a_worker_killed_holding_a_claim_is_reclaimed(tmp_path):
+    """A worker SIGKILLed while its forward holds 6 of 8 threads: while it lives, another is
+    refused 4 (and its slot is not taken for dead); once it is dead, the next refusal clears
+    its slot and the grant passes."""
+    path = tmp_path / "host.cores"
+    ready = SPAWN.Event()
+    doomed = SPAWN.Process(target=_hold_a_claim, args=(str(path), ready))
+    doomed.start()
+    share = CoreShare.open(path, BUDGET, "survivor", reap_s=0.0)
+    try:
+        assert ready.wait(60)
+        assert share.claim(4, 1) == 1  # alive: its 6 count
+        assert share.reaped == 0 and doomed.pid in [s.pid for s in share.slots()]
+        share.release()
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.join(30)
+        assert share.claim(4, 1) == 4
+        assert share.reaped == 1 and [s.pid for s in share.slots()] == [os.getpid()]
+    finally:
+        share.close()
+        doomed.kill()
+
+
+@linux
+def test_a_forward_just_ended_still_counts_for_its_linger(tmp_path):
+    """Under load a worker's next forward follows the last at once: its threads count for
+    others ``linger_s`` after it ended, then no more."""
+    path = tmp_path / "host.cores"
+    busy = CoreShare.open(path, BUDGET, "busy", linger_s=3600.0)
+    idle = CoreShare.open(path, BUDGET, "idle", linger_s=0.0)
+    other = CoreShare.open(path, BUDGET, "other")
+    try:
+        busy.claim(6, 1)
+        busy.release()
+        assert other.claim(4, 1) == 1  # 6 lingering + 4 > 8
+        other.release()
+        idle.claim(6, 1)
+        idle.release()
+        busy.close()
+        assert other.claim(4, 1) == 4  # ended with no linger: free
+    finally:
+        idle.close()
+        other.close()
+
+
+@linux
+def test_the_configured_count_is_never_refused_and_close_frees_the_slot(tmp_path):
+    path = tmp_path / "host.cores"
+    a, b = CoreShare.open(path, 2, "a"), CoreShare.open(path, 2, "b")
+    assert a.claim(2, 2) == 2 and b.claim(2, 2) == 2 and a.in_use() == 4
+    assert {(s.threads, s.configured) for s in a.slots()} == {(2, 2)}
+    b.close()
+    assert [s.pid for s in a.slots()] == [os.getpid()] and a.in_use() == 2
+    a.close()
+
+
+@linux
+def test_a_full_ledger_and_a_foreign_file_are_refused_with_the_path(tmp_path):
+    foreign = tmp_path / "not-a-ledger"
+    foreign.write_bytes(b"hello")
+    with pytest.raises(CoreShareError, match="not-a-ledger is not a core ledger"):
+        CoreShare.open(foreign, BUDGET, "w")
+    assert foreign.read_bytes() == b"hello"  # left as it was
+    with pytest.raises(CoreShareError, match="budget must be a positive integer"):
+        CoreShare.open(tmp_path / "x.cores", 0, "w")
+    shares = [CoreShare.open(tmp_path / "full.cores", BUDGET, f"w{i}") for i in range(SLOTS)]
+    try:
+        with pytest.raises(CoreShareError, match="full.cores is full"):
+            CoreShare.open(tmp_path / "full.cores", BUDGET, "one more")
+    finally:
+        for share in shares:
+            share.close()
+
+
+@linux
+def test_shared_cores_serves_the_configured_count_when_the_host_is_full(tmp_path):
+    """The policy wrapper a worker's engine runs: the wanted count while it fits, else the
+    configured one, counted in ``limited``; ``observe`` releases the slot."""
+    path = tmp_path / "host.cores"
+    neighbour = CoreShare.open(path, BUDGET, "neighbour")
+    policy = SharedCores(FixedThreads(4), CoreShare.open(path, BUDGET, "w", linger_s=0.0),
+                         configured=2)
+    try:
+        assert policy.served_threads(None) == 4
+        policy.observe(None, None)
+        neighbour.claim(5, 5)  # its configured count: never refused
+        assert policy.served_threads(None) == 2 and policy.limited == 1
+        policy.observe(None, None)
+        assert neighbour.in_use() == 5
+    finally:
+        policy.close()
+        neighbour.close()
+
+
+# -- out of step ---------------------------------------------------------------------------
+
+def test_each_worker_reads_at_its_own_phase_and_jitter():
+    """R4.12: two workers' readings start at different offsets and wait differently; the
+    same id draws the same ones again (a replay)."""
+    a, b = cadence.waits("primary-0", 0.05), cadence.waits("primary-1", 0.05)
+    first_a = [next(a) for _ in range(50)]
+    first_b = [next(b) for _ in range(50)]
+    again = cadence.waits("primary-0", 0.05)
+    assert [next(again) for _ in range(50)] == first_a
+    assert first_a[0] != first_b[0] and first_a[1:] != first_b[1:]
+    assert all(0 <= w[0] < 0.05 for w in (first_a, first_b))
+    assert all(0.04 <= w <= 0.06 for w in first_a[1:] + first_b[1:])
+
+
+def test_a_worker_reacts_only_when_its_readings_agree_past_its_own_delay():
+    worker = "primary-0"
+    state = cadence.Reaction()
+    for t in (0.0, 0.1):  # two readings say react, then one does not: nothing changes
+        state = cadence.react(state, True, t, worker, spread_s=0.0)
+    state = cadence.react(state, False, 0.2, worker, spread_s=0.0)
+    assert not state.on and state.disagreeing == 0
+    delay = cadence.delay_s(worker, 0)
+    assert 0 <= delay < cadence.SPREAD_S and delay == cadence.delay_s(worker, 0)
+    t, first = 1.0, 1.0
+    while t < first + max(delay, 0.2) - 0.05:  # agreeing, but within its delay
+        state = cadence.react(state, True, t, worker)
+        assert not state.on, t
+        t += 0.1
+    state = cadence.react(state, True, first + max(delay, 0.2), worker)
+    assert state.on and state.changes == 1
+    # another change no sooner than HOLD_S after it, whatever the readings say
+    state = cadence.react(state, False, state.changed_at_s + 0.1, worker, agree=1,
+                          spread_s=0.0)
+    assert state.on
+
+
+def _settle(workers: int, room: int, steps: int, **damping) -> tuple[int, int]:
+    """``workers`` read in 0.1-s windows whether the host has room for one more to take
+    more threads (``room`` may); each reacts by ``react``. (Workers that took more threads,
+    changes made in all.)"""
+    states = [cadence.Reaction() for _ in range(workers)]
+    for step in range(steps):
+        on = sum(s.on for s in states)
+        states = [cadence.react(s, on - s.on < room, step * 0.1, f"primary-{i}", **damping)
+                  for i, s in enumerate(states)]
+    return sum(s.on for s in states), sum(s.changes for s in states)
+
+
+def test_workers_seeing_one_change_of_the_host_do_not_herd():
+    """Room on the host for 2 of 8 workers to take more threads: with the damping they
+    settle at 2 after a few changes; reacting at the first reading, all 8 take it, all give
+    it back, and so on (what the damping prevents)."""
+    on, changes = _settle(8, 2, 300)
+    assert on == 2 and changes <= 6, (on, changes)
+    herd_on, herd_changes = _settle(8, 2, 300, agree=1, spread_s=0.0, hold_s=0.0)
+    assert herd_changes >= 100, (herd_on, herd_changes)
+
+
+# -- what siblings learned ---------------------------------------------------------------
+
+def test_siblings_learned_reads_counts_of_the_same_scope_from_the_record(tmp_path):
+    record = HostRecord(tmp_path / "record.sqlite")
+    scope = Scope("host", "rev", "onnxruntime")
+    before = time.time()
+    record.put_learned(scope, 16, 2, 1.4, 3)
+    record.put_learned(scope, 64, 4, 1.9, 5)
+    record.put_learned(Scope("host", "rev", "torch"), 16, 8, 2.0, 5)  # another scope
+    siblings = siblings_learned(HostRecord(tmp_path / "record.sqlite"), scope)
+    assert {lo: (s.num_threads, s.speedup, s.verified_passes)
+            for lo, s in siblings.items()} == {16: (2, 1.4, 3), 64: (4, 1.9, 5)}
+    assert all(before <= s.since_s <= time.time() for s in siblings.values())
+    assert siblings_learned(record, Scope("other", "rev", "onnxruntime")) == {}
+
+
+def test_a_new_worker_starts_verifying_recent_sibling_counts_it_may_serve():
+    siblings = {16: SiblingCount(2, 1.4, 100.0, 3), 32: SiblingCount(1, 1.0, 100.0, 3),
+                64: SiblingCount(8, 1.9, 100.0, 3), 128: SiblingCount(4, 1.5, 10.0, 3)}
+    assert starting_counts(siblings, (1, 2, 4), configured=1, now_s=160.0,
+                           max_age_s=120.0) == {16: 2}  # 32 configured, 64 not allowed,
+    # 128 too old
