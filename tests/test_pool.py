@@ -23,6 +23,8 @@ import orjson
 import pytest
 
 from tests.conftest import L6, Server, cpu_deployment, poll, write_config
+from vllm_srun.records.host_record import default_record_path
+from vllm_srun.runtime.paths import data_dir
 from vllm_srun.runtime.types import Task
 from vllm_srun.server.pool import deployment_pool
 from vllm_srun.server.pool.config import DeploymentConfig, EngineConfig
@@ -31,6 +33,7 @@ from vllm_srun.server.pool.errors import ExchangeError
 from vllm_srun.server.pool.outlier import Outcome, OutlierPolicy, OutlierSettings
 from vllm_srun.server.pool.replicas import AttachedReplica, LoadAccount
 from vllm_srun.server.pool.states import ReplicaState
+from vllm_srun.tuner.cores import CoreShare, cores_path
 
 ALL_OK_FRACTION = 0.99
 
@@ -512,7 +515,8 @@ def test_reconfiguration_keeps_identities_and_binding_changes_restart_nothing(tm
 
 def test_seed_config_on_cpu_devices_serves_with_owner_only_sockets(tmp_path):
     """The seed's placement example with ``cpu`` devices; VLLM_SRUN_CPU_THREADS applies per
-    worker; worker sockets live in an owner-only folder (R7.3)."""
+    worker; worker sockets live in an owner-only folder (R7.3); both workers hold a slot of
+    the host's core ledger (R4.12)."""
     from tests.conftest import SEED_PLACEMENT
 
     text = SEED_PLACEMENT.replace("rocm:0", "cpu").replace("rocm:1", "cpu").replace(
@@ -532,6 +536,12 @@ def test_seed_config_on_cpu_devices_serves_with_owner_only_sockets(tmp_path):
         threads = server.client.get("/v1/threads").json()["reports"]
         assert [(rep["deployment"], rep["configured_threads"]) for rep in threads] == \
             [("primary", 1), ("primary", 1)]
+        # R4.12: the CPU workers share the host's cores through one ledger beside the record
+        share = CoreShare.open(cores_path(default_record_path(data_dir())), 2, "test")
+        try:
+            assert {r["pid"] for r in dep["replicas"]} <= {s.pid for s in share.slots()}
+        finally:
+            share.close()
         body = server.client.post("/v1/embeddings", json={"input": ["a", "b"]}).json()
         assert len(body["data"]) == 2
     finally:

@@ -16,12 +16,16 @@ idle time (another server's idle-class shadows, learning), it looked like a neig
 mode 2 server beside a learning mode 1 server followed contention that was not there.
 
 Yielding processes are found by a scan of ``/proc`` every ``scan_s`` (about 15 us a process).
-Nothing here runs on the served path: a thread of its own reads the free seconds every
+Nothing here runs on the served path: a thread of its own reads the free seconds about every
 ``sample_s`` and keeps the last reading (``latest``, what the tuner reads: no file, no lock);
-a process started since the last scan is a neighbour until the next. Not seen: a cgroup
-quota below the mask (its throttled time reads as free), CPU time of these processes spent
-outside the mask, and yielding threads of processes that are not. Where ``/proc`` cannot be
-read the reading is None and the tuner probes the learned count instead.
+a process started since the last scan is a neighbour until the next. The workers of one host
+read it out of step (R4.12): each reader starts at an offset of ``sample_s`` fixed by its
+``worker`` id and waits ``sample_s`` +/- 20% between readings, drawn per id
+(``cadence.waits``); each reading carries its own time, so the tuner's windows are unchanged.
+
+Not seen: a cgroup quota below the mask (its throttled time reads as free), CPU time of these
+processes spent outside the mask, and yielding threads of processes that are not. Where
+``/proc`` cannot be read the reading is None and the tuner probes the learned count instead.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
+
+from vllm_srun.tuner.cadence import waits
 
 # fields of /proc/<pid>/stat after the ")" that ends the command name
 CPU_TIME_FIELDS = slice(11, 13)  # utime, stime
@@ -41,13 +47,16 @@ YIELDING_NICE = 15
 class FreeCpus:
     def __init__(self, pids: Callable[[], Iterable[int]] = tuple,
                  cpus: Collection[int] | None = None, scan_s: float = 5.0,
-                 sample_s: float = 0.05, rest_s: float = 1.0) -> None:
+                 sample_s: float = 0.05, rest_s: float = 1.0,
+                 worker: str | None = None) -> None:
         """``sample_s``: 0.05, half the tuner's window (``contention_free_window_s``, 0.1 s):
-        a whole window lies between two readings at most 0.15 s after it began. A reading
+        a whole window lies between two readings at most 0.16 s after it began (a wait is at
+        most 0.06 s with the jitter, the module docstring says why it has one). A reading
         took 0.25 ms here (4 files at about 70 us each on this loaded 2-core host, one
         run), so 20 a second take 0.5% of a core: the reader rests once ``latest`` has not
         been asked for ``rest_s`` (1.0: ten windows, past which the tuner takes a reading
-        as saying nothing of now anyway)."""
+        as saying nothing of now anyway). ``worker``: the id that fixes the reader's phase
+        and jitter (default: this process's pid)."""
         if cpus is None:  # (no affinity call off Linux, where /proc is missing too: None)
             cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
         self._names = {f"cpu{i}".encode() for i in cpus}
@@ -58,7 +67,8 @@ class FreeCpus:
         self.scan()
         self._latest = self._reading()
         self._asked_at = time.monotonic()
-        threading.Thread(target=self._sample, args=(sample_s, scan_s, rest_s),
+        spacing = waits(str(os.getpid()) if worker is None else worker, sample_s)
+        threading.Thread(target=self._sample, args=(spacing, scan_s, rest_s),
                          name="free-cpus", daemon=True).start()
 
     def latest(self) -> tuple[float, float] | None:
@@ -108,9 +118,9 @@ class FreeCpus:
         free_s = self()
         return None if free_s is None else (time.monotonic(), free_s)
 
-    def _sample(self, sample_s: float, scan_s: float, rest_s: float) -> None:
+    def _sample(self, spacing: Iterator[float], scan_s: float, rest_s: float) -> None:
         scanned = time.monotonic()
-        while not self._stop.wait(sample_s):
+        while not self._stop.wait(next(spacing)):
             now = time.monotonic()
             if now - scanned >= scan_s:
                 self.scan()

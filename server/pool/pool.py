@@ -26,6 +26,7 @@ from typing import Protocol
 
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.budget import configured_threads
+from vllm_srun.runtime.device import is_gpu
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
 from vllm_srun.runtime.types import EngineArgs, Manifest, Task
 from vllm_srun.server.pool import plan as planning
@@ -174,7 +175,8 @@ class Pool:
                           set_max_num_seqs=dep.engine.max_num_seqs,
                           set_max_num_batched_tokens=dep.engine.max_num_batched_tokens,
                           revision=dep.revision,
-                          dtype=dep.dtype or "float32", quality_gate=dep.thresholds())
+                          dtype=dep.dtype or "float32", quality_gate=dep.thresholds(),
+                          share_cores=not dep.shorthand and not is_gpu(device))
 
     def mode_of(self, dep: DeploymentConfig) -> AdaptiveMode:
         """The deployment's adaptive-threads mode: its config key, else the process's."""

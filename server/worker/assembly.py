@@ -22,6 +22,7 @@ from vllm_srun.runtime.selection import PrecisionChoice, choose
 from vllm_srun.runtime.types import BackendName, ForwardRecord, Manifest
 from vllm_srun.server.worker.spec import WorkerSpec
 from vllm_srun.tuner.adaptive import AdaptiveThreads
+from vllm_srun.tuner.cores import CoreShare, CoreShareError, SharedCores, cores_path
 from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows, reference_outputs, reference_tolerance
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
@@ -60,6 +61,7 @@ class Worker:
         self.wrap_backend = wrap_backend
         self.manifest = manifest or resolve(spec.model, spec.revision)
         self.tuner: AdaptiveThreads | None = None
+        self.cores: SharedCores | None = None
         self.precision: PrecisionChoice | None = None
         self.record_path = record_path(spec.record_path)
 
@@ -88,6 +90,8 @@ class Worker:
         precision = self.precision.precision.value
         if self.precision.refusal or spec.mode is AdaptiveMode.OFF or is_gpu(spec.device):
             runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
+            if not self.precision.refusal and not is_gpu(spec.device):
+                self._share_cores(runner)
             runner.start(check=lambda: self.precision.refusal)
             return runner
         counts = allowed_counts(spec.args.num_threads, spec.budget, spec.max_threads)
@@ -103,7 +107,7 @@ class Worker:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
         shadows = ShadowProcess(manifest, backend.name.value, precision)
-        free = FreeCpus(lambda: (shadows.process.pid,))
+        free = FreeCpus(lambda: (shadows.process.pid,), worker=self.replica_id)
 
         def close() -> None:
             free.close()
@@ -118,11 +122,29 @@ class Worker:
         tuner.record_error = tuner.record_error or error
         runner.engine.threads = tuner
         self.tuner = tuner
+        self._share_cores(runner)
         tolerance = reference_tolerance(precision, spec.quality_gate.min_cosine)
         runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer),
                                                  reference_outputs(manifest.revision),
                                                  tolerance))
         return runner
+
+    def _share_cores(self, runner: Runner) -> None:
+        """Hold this worker's served counts in the host's core ledger (R4.12) when the pool
+        asks: a count above the configured one serves only while the CPU workers of the host
+        together stay within the budget. Without the ledger the worker serves as it would
+        alone."""
+        spec = self.spec
+        if not spec.share_cores:
+            return
+        path = cores_path(self.record_path)
+        try:
+            share = CoreShare.open(path, spec.budget, self.replica_id or f"pid {os.getpid()}")
+        except CoreShareError as exc:
+            log.error("core_share_unavailable path=%s error=%s", path, exc)
+            return
+        self.cores = SharedCores(runner.engine.threads, share, spec.args.num_threads)
+        runner.engine.threads = self.cores
 
     def precision_report(self) -> dict | None:
         return self.precision.report() if self.precision is not None else None

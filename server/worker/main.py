@@ -97,7 +97,8 @@ def create_worker_app(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) ->
 
     async def prometheus(_request: Request) -> Response:
         hits = loaded.runner.cache.hits if loaded.runner is not None else 0
-        return Response(metrics.render(hits, worker.threads_report(loaded.runner)),
+        limited = worker.cores.limited if worker.cores is not None else None
+        return Response(metrics.render(hits, worker.threads_report(loaded.runner), limited),
                         media_type="text/plain; version=0.0.4")
 
     return Starlette(routes=[Route(protocol.HEALTH, health),

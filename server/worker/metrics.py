@@ -55,6 +55,10 @@ class WorkerMetrics:
         self.range_state = Gauge("vllm_srun_range_state",
                                  "1 for each input-size range's learning state, 0 for the others",
                                  ["replica", "size_range", "state"], registry=r)
+        self.core_limited = Gauge(
+            "vllm_srun_shared_cores_limited_forwards", "Forwards served at the configured "
+            "count instead of a higher one because the CPU workers of the host together would "
+            "have passed the CPU budget (since start)", ["replica"], registry=r)
 
     def record_forward(self, rec: ForwardRecord) -> None:
         self.forward_seconds.labels(self.replica, range_label(rec.padded_tokens),
@@ -78,8 +82,13 @@ class WorkerMetrics:
             for state in RangeState:
                 self.range_state.labels(*labels, state.value).set(state.value == rng["state"])
 
-    def render(self, cache_hits: int, threads_report: dict | None = None) -> bytes:
+    def render(self, cache_hits: int, threads_report: dict | None = None,
+               core_limited: int | None = None) -> bytes:
+        """``core_limited``: ``SharedCores.limited`` where the worker shares the host's
+        cores, else None (no sample)."""
         self.cache_hits.labels(self.replica).set(cache_hits)
+        if core_limited is not None:
+            self.core_limited.labels(self.replica).set(core_limited)
         if threads_report is not None:
             self.record_learning(threads_report)
         return generate_latest(self.registry)

@@ -34,6 +34,9 @@ class WorkerSpec:
     revision: str | None = None  # the Hub revision when ``model`` is a Hugging Face Hub id
     dtype: str = "float32"  # a precision, or "auto" (R1.5)
     quality_gate: GateThresholds = GateThresholds()
+    # share the host's cores with the other CPU workers through the ledger beside the host
+    # record (R4.12): counts above the configured one only within ``budget`` together
+    share_cores: bool = False
 
     def to_json(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
