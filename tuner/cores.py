@@ -4,22 +4,23 @@ worker's running forward uses, and the pure rule that grants a count above the c
 How it works: a small file next to the host record (``cores_path``), mapped by every worker
 that opens it, holds one slot per worker: its pid, the threads of its served forward, since
 when, until when they count (while it runs, and ``LINGER_S`` after it ended: under load the
-worker's next forward is about to start), and its configured count. A count above
-the configured one is served only when ``grant`` allows it: the other workers' threads plus
-the wanted count stay within the budget. That check and the
-slot's write happen under an exclusive lock on the file's first byte (``fcntl``
-open-file-description locks), tried without waiting: a worker that finds another one
-checking serves its configured count this once. Serving the configured count or fewer needs
-no check (the answer is exact there, and the operator chose that count), and ending a
-forward only lowers what the slot counts for, so both write the slot without the lock, each
-field one aligned 8-byte store: a reader sees the old value or the new one, and either keeps
-the budget.
+worker's next forward is about to start), and its configured count. A count above the
+configured one is served only when ``grant`` allows it: the other workers' threads plus the
+wanted count stay within the budget. That check and the slot's write happen under an
+exclusive lock on the file's first byte (``fcntl`` open-file-description locks), tried
+``LOCK_TRIES`` times without waiting: a worker that finds another one checking all along
+serves its configured count this once. Serving the configured count or fewer needs no check
+(the answer is exact there, and the operator chose that count), and ending a forward only
+lowers what the slot counts for, so both write the slot without the lock, each field one
+aligned 8-byte store: a reader sees the old value or the new one, and either keeps the
+budget. On the served path a claim reads no file and makes no syscall at the configured
+count, and two ``fcntl`` calls above it.
 
 Each worker holds a lock on its slot's byte (bytes 1..``SLOTS``) for as long as it has the
 ledger open; the kernel drops it when the process ends, however it ends. A worker refused a
 grant tries, at most once every ``REAP_S``, each other occupied slot's lock: one it gets
 belongs to a dead worker, whose slot is cleared, so a worker killed mid-forward holds its
-threads until the next refusal a second later at most.
+threads until a worker is next refused a count with its look for dead slots due.
 
 Invariant: a count above a worker's configured one is granted only while the threads in all
 slots, that count included, stay within the budget. The sum may pass the budget only through
@@ -65,6 +66,11 @@ REAP_S = 1.0
 # budget once it does, for the whole granted forward. A guess, not measured: a few times
 # what picking and delivering a batch should take.
 LINGER_S = 0.005
+# Tries at the file lock before a claim gives up and serves the configured count: another
+# worker holds it for one check (about 5 us here), so a second try usually finds it free;
+# three tries cost at most a few microseconds and never wait on a worker descheduled while
+# holding it. A guess, not swept.
+LOCK_TRIES = 3
 
 # struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (0: an OFD lock)
 _FLOCK = "hhqqi4x"
@@ -233,7 +239,7 @@ class CoreShare:
         index = self._index
         if want <= floor:
             granted = want
-        elif not _try(self._fd, _TAKE):
+        elif not any(_try(self._fd, _TAKE) for _ in range(LOCK_TRIES)):
             self.contended += 1
             granted = floor
         else:
