@@ -187,8 +187,9 @@ class CoreShare:
         self._index = -1
         self._linger_ns = int(linger_s * 1e9)
         self._reaped_at = time.monotonic()
-        self.refused = 0  # claims above the configured count answered with it
-        self.contended = 0  # of those, because another worker was checking at that moment
+        self.refused = 0  # claims above the configured count the budget refused
+        self.contended = 0  # claims above it served at it: another worker held the lock
+        self.lock_error = ""  # why the lock failed other than by being held, if it did
         self.reaped = 0  # dead workers' slots cleared
 
     @classmethod
@@ -239,7 +240,7 @@ class CoreShare:
         index = self._index
         if want <= floor:
             granted = want
-        elif not any(_try(self._fd, _TAKE) for _ in range(LOCK_TRIES)):
+        elif not self._take():
             self.contended += 1
             granted = floor
         else:
@@ -257,6 +258,17 @@ class CoreShare:
         self._since[index] = time.monotonic_ns()
         self._floor[index] = floor
         return granted
+
+    def _take(self) -> bool:
+        """The file lock, in ``LOCK_TRIES`` tries; False if another worker held it all
+        along, or if the lock failed otherwise (logged once: the served path goes on)."""
+        try:
+            return any(_try(self._fd, _TAKE) for _ in range(LOCK_TRIES))
+        except OSError as exc:
+            if not self.lock_error:
+                log.error("core_share_lock_failed path=%s error=%s", self.path, exc)
+            self.lock_error = str(exc)
+            return False
 
     def release(self) -> None:
         """The served forward ended: its threads count for others ``linger_s`` more."""
