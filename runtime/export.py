@@ -1,5 +1,5 @@
 """Exporting an artifact to ONNX once per revision, into the cache (R1.3), and its int8 copy
-(dynamic quantization, R1.5) once per revision beside it.
+(``quantization.py``'s default recipe, R1.5) once per revision and recipe beside it.
 
 Several workers may start at once: an exclusive file lock makes one export and the others
 wait and reuse it; the file appears by atomic rename, so a killed exporter leaves no half file.
@@ -24,7 +24,11 @@ def exported_path(manifest: Manifest) -> Path:
 
 
 def quantized_path(manifest: Manifest) -> Path:
-    return cache_dir() / "onnx" / f"{manifest.revision}-{manifest.task.value}-int8.onnx"
+    """The int8 copy's cache file, named by the recipe: a changed recipe makes a new copy."""
+    from vllm_srun.runtime.quantization import DEFAULT
+
+    return cache_dir() / "onnx" / (f"{manifest.revision}-{manifest.task.value}-int8-"
+                                   f"{DEFAULT.name}.onnx")
 
 
 def ensure_onnx(manifest: Manifest) -> Path:
@@ -53,23 +57,15 @@ def _once(target: Path, make) -> Path:
 
 
 def _quantize(manifest: Manifest, source: Path, target: Path) -> None:
-    """QInt8 weights per output channel (per tensor measured a min cosine of 0.92 against
-    float32 for all-MiniLM-L6-v2 here, per channel 0.98), activations quantized per forward:
-    onnxruntime's MLAS runs these MatMuls on VNNI / AMX int8 units where the CPU has them."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    """The default int8 recipe (``quantization.py``: which MatMuls get int8 weights and which
+    kernel runs them; onnxruntime's MLAS uses VNNI / AMX int8 units where the CPU has them)."""
+    from vllm_srun.runtime.quantization import DEFAULT, quantize
 
-    log.info("onnx_quantize model=%s revision=%s path=%s", manifest.name, manifest.revision,
-             target)
+    log.info("onnx_quantize model=%s revision=%s recipe=%s path=%s", manifest.name,
+             manifest.revision, DEFAULT.name, target)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            logging.disable(logging.WARNING)  # the quantizer logs every tensor on the root
-            try:
-                quantize_dynamic(str(source), str(tmp), weight_type=QuantType.QInt8,
-                                 per_channel=True)
-            finally:
-                logging.disable(logging.NOTSET)
+        quantize(source, tmp, DEFAULT)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
