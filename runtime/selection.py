@@ -12,6 +12,10 @@ process; a refused one comes back with ``refusal`` set and the worker stays out 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -111,6 +115,9 @@ def choose(manifest: Manifest, backend_name: BackendName | str, requested: str,
         batches = gate_batches(manifest, Tokenizer(manifest.tokenizer_path, manifest.max_tokens))
         loaded[Precision.FLOAT32] = base = load(Precision.FLOAT32)
         reference = [_forward(context, base, b, num_threads).outputs for b in batches]
+        if not auto:  # float32 has answered: no float32 copy beside the one that serves
+            base = None
+            release([loaded.pop(Precision.FLOAT32)])
         trials, measured = [], {}
         for p in candidates:
             loaded[p] = backend = load(p)
@@ -134,12 +141,30 @@ def choose(manifest: Manifest, backend_name: BackendName | str, requested: str,
         raise
     finally:
         context.shutdown()
-    for p, backend in loaded.items():
-        if p is not chosen:
-            backend.close()
+    serving, base, backend = loaded.pop(chosen), None, None
+    unused = list(loaded.values())
+    loaded.clear()
+    release(unused)  # empties ``unused``: no reference left here
     choice = PrecisionChoice(requested, chosen, reason, thresholds, measured, refusal, warning)
     _log(manifest, name, choice)
-    return loaded[chosen], choice
+    return serving, choice
+
+
+def release(backends: list[Backend]) -> None:
+    """Close ``backends`` and give their memory back: a torch module refers to itself
+    through its forward hook, so only the cycle collector frees it, and glibc keeps freed heap
+    pages mapped until trimmed. After a reduced precision is chosen no float32 weights stay
+    in the worker (its resident memory is then the reduced copy's, not both)."""
+    for backend in backends:
+        backend.close()
+    backends.clear()
+    gc.collect()
+    _trim()
+
+
+def _trim() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def _log(manifest: Manifest, name: BackendName, choice: PrecisionChoice) -> None:

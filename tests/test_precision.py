@@ -148,6 +148,29 @@ def test_bfloat16_passes_the_default_gate_and_says_so(torch_l6):
     assert report["quality_gate"]["measured"]["bfloat16"] == measured
 
 
+def test_bfloat16_keeps_no_float32_weights_once_chosen():
+    """Memory: a bfloat16 worker's module has no float32 parameter or buffer left, and the
+    float32 copy that answered the gate's reference is freed before ``choose`` returns (the
+    test never collects garbage itself), so its weights do not stay resident beside the
+    bfloat16 ones."""
+    import weakref
+
+    loaded = {}
+
+    def load(p):
+        backend = load_backend(M, "torch", precision=p)
+        loaded[p] = weakref.ref(backend.module)
+        return backend
+
+    backend, choice = choose(M, "torch", "bfloat16", GateThresholds(min_cosine=0.0), 1, load)
+    assert choice.precision is Precision.BFLOAT16 and set(loaded) == {Precision.FLOAT32,
+                                                                      Precision.BFLOAT16}
+    assert loaded[Precision.FLOAT32]() is None
+    floats = {str(t.dtype) for t in [*backend.module.parameters(), *backend.module.buffers()]
+              if t.is_floating_point()}
+    assert floats == {"torch.bfloat16"}
+
+
 def test_bfloat16_below_the_threshold_is_refused_and_auto_falls_back(torch_l6):
     _, refused = choose(M, "torch", "bfloat16", UNREACHABLE, 1, torch_l6)
     assert refused.precision is Precision.BFLOAT16
