@@ -3,11 +3,14 @@
 
 Configurations (the runtime's own backends, on the thread context's lanes):
 - torch float32: the runtime's torch backend as loaded today;
-- torch bfloat16: the same module with bfloat16 weights (``module.to(torch.bfloat16)``, what
-  ``from_pretrained(..., dtype=torch.bfloat16)`` gives: each float32 weight rounded once);
+- torch bfloat16: the runtime's torch backend at ``--dtype bfloat16`` (weights loaded as
+  bfloat16: each float32 weight rounded once);
 - onnxruntime float32: the runtime's ONNX export;
-- onnxruntime int8: that export through ``onnxruntime.quantization.quantize_dynamic``
-  (QInt8 weights, activations quantised per forward).
+- onnxruntime int8: the runtime's int8 copy (``--dtype int8``: the default recipe of
+  ``runtime/quantization.py``, blockwise int8 MatMuls);
+- onnxruntime int8-dynamic: the export through ``quantize_dynamic`` (per-channel int8
+  weights, activations quantized per tensor and forward), the faster recipe that the default
+  quality gate refuses for this model (``bench/int8_sweep.py``).
 
 Inputs are rows of real English text (a fixed passage, each row a different window of its
 tokens, exactly ``tokens`` per row with [CLS] and [SEP]), never random ids, so the quality
@@ -44,7 +47,8 @@ from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.types import TokenBatch
 
 MODEL = "all-MiniLM-L6-v2"
-CONFIGS = ("torch-float32", "torch-bfloat16", "onnxruntime-float32", "onnxruntime-int8")
+CONFIGS = ("torch-float32", "torch-bfloat16", "onnxruntime-float32", "onnxruntime-int8",
+           "onnxruntime-int8-dynamic")
 SHAPES = ("1x8", "1x32", "1x128", "1x256", "4x64", "16x64", "8x256", "32x128")
 BOOTSTRAP = 2000  # resamples of the paired ratios; the interval's ends move < 1% beyond this
 
@@ -122,32 +126,33 @@ def _passage_ids(tokenizer_path: str) -> list[int]:
     return _IDS[tokenizer_path]
 
 
-def quantized_onnx(src: Path, folder: Path) -> Path:
-    """``src`` with int8 weights (``quantize_dynamic``, QInt8), written into ``folder``."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def quantized_onnx(src: Path, folder: Path, recipe: str) -> Path:
+    """``src`` through ``runtime/quantization.py``'s ``recipe``, written into ``folder``."""
+    from vllm_srun.runtime.quantization import RECIPES, quantize
 
-    target = folder / f"{src.stem}-int8.onnx"
-    quantize_dynamic(str(src), str(target), weight_type=QuantType.QInt8)
+    target = folder / f"{src.stem}-{recipe}.onnx"
+    quantize(src, target, RECIPES[recipe])
     return target
 
 
 def load_configs(names: list[str], folder: Path) -> dict:
     """Each configuration's backend (see the module doc)."""
+    from vllm_srun.runtime.backend import load_backend
+
     manifest = resolve(MODEL)
     out = {}
     for name in names:
         if name == "torch-float32":
             out[name] = TorchBackend(manifest)
         elif name == "torch-bfloat16":
-            import torch
-
-            backend = TorchBackend(manifest)
-            backend.module.to(torch.bfloat16)
-            out[name] = backend
+            out[name] = load_backend(manifest, "torch", precision="bfloat16")
         elif name == "onnxruntime-float32":
             out[name] = OnnxBackend(manifest, str(ensure_onnx(manifest)))
         elif name == "onnxruntime-int8":
-            out[name] = OnnxBackend(manifest, str(quantized_onnx(ensure_onnx(manifest), folder)))
+            out[name] = load_backend(manifest, "onnxruntime", precision="int8")
+        elif name == "onnxruntime-int8-dynamic":
+            path = quantized_onnx(ensure_onnx(manifest), folder, "dynamic-embeddings")
+            out[name] = OnnxBackend(manifest, str(path))
         else:
             raise SystemExit(f"--configs: {name!r} is not one of {', '.join(CONFIGS)}")
     return out
@@ -260,6 +265,8 @@ def host() -> dict:
                 .splitlines() if ln.startswith("model name")), platform.processor())
     flags = Path("/proc/cpuinfo").read_text()
     return {"cpu": cpu, "cpus": os.cpu_count(), "amx": "amx_bf16" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "avx512_vnni": "avx512_vnni" in flags,
+            "load_average_1_5_15_min": [round(x, 2) for x in os.getloadavg()],
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
             "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
