@@ -6,10 +6,13 @@ backend through the quality gate (``selection.choose``: float32 answers the gate
 then the precision that serves is loaded and gated, and what does not serve is released),
 then serves forwards of several shapes at one thread. ``/proc/self/smaps_rollup`` is read
 after the imports and the model's code (its class built on the meta device: no weights) and
-again after serving; the model's memory is the difference. RSS counts file pages too:
-float32 weights are read from the memory-mapped safetensors file (pages shared with every
-process that maps it, which PSS divides among them), bfloat16 ones are converted copies in
-anonymous memory.
+again after serving; the model's memory is the difference. A last reading after 32 more
+input lengths (8 to 256 tokens) shows what grows with the number of distinct shapes served:
+torch's bfloat16 matrix products go through oneDNN, which compiles and caches kernels per
+shape (``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` bounds its cache); float32's go through MKL.
+RSS counts file pages too: float32 weights are read from the memory-mapped safetensors
+file (pages shared with every process that maps it, which PSS divides among them), bfloat16
+ones are converted copies in anonymous memory.
 
 Models: all-MiniLM-L6-v2 (22.7M parameters) and a ModernBERT-base-shaped encoder (149M,
 random weights, built here like ``bench.long_inputs``): memory does not depend on the
@@ -73,8 +76,12 @@ def child(folder: str, dtype: str) -> dict:
                      for _ in range(rows)])
         for _ in range(2):
             context.run(1, lambda b=batch: backend.forward(b, 1))
-    context.shutdown()
     served = smaps_mb()
+    for tokens in range(8, min(256, limit) + 1, 8):  # new shapes: kernels cached per shape
+        batch = pad([[101, *map(int, rng.integers(1000, 29000, tokens - 2)), 102]])
+        context.run(1, lambda b=batch: backend.forward(b, 1))
+    context.shutdown()
+    many = smaps_mb()
     module = getattr(backend, "module", None)
     dtypes = sorted({str(t.dtype) for t in [*module.parameters(), *module.buffers()]
                      if t.is_floating_point()}) if module is not None else []
@@ -83,7 +90,9 @@ def child(folder: str, dtype: str) -> dict:
             "floating_dtypes": dtypes, "weights_mb": round(weights_mb, 1),
             "model_rss_mb": round(served["Rss"] - baseline["Rss"], 1),
             "model_pss_mb": round(served["Pss"] - baseline["Pss"], 1),
-            "model_anonymous_mb": round(served["Anonymous"] - baseline["Anonymous"], 1)}
+            "model_anonymous_mb": round(served["Anonymous"] - baseline["Anonymous"], 1),
+            "after_32_more_shapes_mb": many,
+            "growth_over_32_shapes_mb": round(many["Rss"] - served["Rss"], 1)}
 
 
 def model_folder(name: str, tmp: Path) -> str:
@@ -108,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     before, results, lines = host(), {}, []
     lines.append("| model | precision | worker RSS MB | PSS MB | model RSS MB | model anonymous "
-                 "MB | weights MB | model RSS / float32's |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+                 "MB | weights MB | model RSS / float32's | RSS growth over 32 more shapes MB |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="precision-memory-") as tmp:
         for name in args.models.split(","):
             folder = model_folder(name, Path(tmp))
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"| {name} | {dtype} | {got['served_mb']['Rss']} | "
                              f"{got['served_mb']['Pss']} | {got['model_rss_mb']} | "
                              f"{got['model_anonymous_mb']} | {got['weights_mb']} | "
-                             f"{got['model_rss_mb'] / base['model_rss_mb']:.2f} |")
+                             f"{got['model_rss_mb'] / base['model_rss_mb']:.2f} | "
+                             f"{got['growth_over_32_shapes_mb']} |")
                 print(lines[-1], flush=True)
     after = host()
     lines.insert(0, f"before: {before['uptime']}; after: {after['uptime']}")
