@@ -67,13 +67,16 @@ class OnnxBackend:
 
     def __init__(self, manifest: Manifest, onnx_path: str,
                  like: OnnxBackend | None = None,
-                 precision: Precision = Precision.FLOAT32) -> None:
+                 precision: Precision = Precision.FLOAT32,
+                 session_path: str | None = None) -> None:
         import onnxruntime as ort
 
         self._ort = ort
         self.manifest = manifest
         self.precision = precision
-        self.onnx_path = onnx_path
+        self.onnx_path = onnx_path  # the artifact's ONNX file (or its int8 copy)
+        # what sessions load: the shared copy of ``onnx_path`` (``weights.py``), or itself
+        self.session_path = session_path or onnx_path
         self._sessions: dict[int, object] = {}
         self._lock = threading.Lock()
         if like is not None:  # a twin: no session until a thread runs a count on it
@@ -98,9 +101,9 @@ class OnnxBackend:
                 opts.log_severity_level = 3
                 try:
                     session = self._ort.InferenceSession(
-                        self.onnx_path, opts, providers=["CPUExecutionProvider"])
+                        self.session_path, opts, providers=["CPUExecutionProvider"])
                 except Exception as exc:  # onnxruntime raises its own untyped errors
-                    raise ArtifactError(f"cannot load {self.onnx_path}: {exc}") from exc
+                    raise ArtifactError(f"cannot load {self.session_path}: {exc}") from exc
                 self._sessions[num_threads] = session
             return session
 
@@ -120,7 +123,8 @@ class OnnxBackend:
     def twin(self) -> OnnxBackend:
         """Sessions of its own: an onnxruntime session's intra-op pool is made by the thread
         that creates the session, and served and shadow forwards must not share one."""
-        return OnnxBackend(self.manifest, self.onnx_path, like=self, precision=self.precision)
+        return OnnxBackend(self.manifest, self.onnx_path, like=self, precision=self.precision,
+                           session_path=self.session_path)
 
     def close(self) -> None:
         with self._lock:
@@ -138,12 +142,16 @@ class TorchBackend:
         import torch
 
         from vllm_srun.runtime.torch_model import load_module
+        from vllm_srun.runtime.weights import share_module
 
         self._torch = torch
         self.manifest = manifest
         self.precision = precision
         self.device = torch.device(device)
         self.module = load_module(manifest, precision).to(self.device)
+        # parameters mapped from one file the shadow process maps too (``weights.py``)
+        self.shared = (self.device.type == "cpu" and precision is not Precision.INT8
+                       and share_module(manifest, precision, self.module))
         self._seen = threading.local()
         self.module.register_forward_pre_hook(self._observe)
 
@@ -175,7 +183,8 @@ class TorchBackend:
 def load_backend(manifest: Manifest, backend: BackendName | str, device: str = "cpu",
                  precision: Precision | str = Precision.FLOAT32) -> Backend:
     """Build a backend for the artifact at ``precision`` (exporting ONNX, and quantizing it
-    for int8, once per revision if needed). A GPU device always runs torch: the onnxruntime
+    for int8, once per revision if needed), its weights mapped from the file its shadow
+    process maps too (``weights.py``). A GPU device always runs torch: the onnxruntime
     build here is CPU-only. A precision the backend does not run is Unsupported."""
     try:
         name = BackendName(backend)
@@ -191,6 +200,8 @@ def load_backend(manifest: Manifest, backend: BackendName | str, device: str = "
         return TorchBackend(manifest, devices.torch_device(device) if devices.is_gpu(device)
                             else "cpu", precision)
     from vllm_srun.runtime.export import ensure_onnx, ensure_quantized
+    from vllm_srun.runtime.weights import shared_onnx
 
     path = ensure_quantized(manifest) if precision is Precision.INT8 else ensure_onnx(manifest)
-    return OnnxBackend(manifest, str(path), precision=precision)
+    return OnnxBackend(manifest, str(path), precision=precision,
+                       session_path=str(shared_onnx(manifest, precision, path)))

@@ -35,17 +35,18 @@ def ensure_onnx(manifest: Manifest) -> Path:
     """The artifact's ONNX file: its own, else the cached export (made now if missing)."""
     if manifest.onnx_path:
         return Path(manifest.onnx_path)
-    return _once(exported_path(manifest), lambda target: _export(manifest, target))
+    return once(exported_path(manifest), lambda target: _export(manifest, target))
 
 
 def ensure_quantized(manifest: Manifest) -> Path:
     """The int8 copy of the artifact's ONNX file, in the cache (made now if missing)."""
     source = ensure_onnx(manifest)
-    return _once(quantized_path(manifest), lambda target: _quantize(manifest, source, target))
+    return once(quantized_path(manifest), lambda target: _quantize(manifest, source, target))
 
 
-def _once(target: Path, make) -> Path:
-    """``target``, made by ``make(target)`` under a file lock unless it exists."""
+def once(target: Path, make) -> Path:
+    """``target`` (a file or a folder), made by ``make(target)`` under a file lock unless it
+    exists; ``make`` must create it by atomic rename."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,11 @@
 preempts them.
 
 ``ShadowProcess`` (what a deployment uses): a child process that puts itself in
-``SCHED_IDLE`` before it loads its own copy of the backend, so every thread it makes (its
-lanes, onnxruntime's session pools, torch's OpenMP teams) inherits the policy. The tuner
-freezes it (``pause``: SIGSTOP) while a served forward it times runs; it dies with its
-worker even while frozen (PR_SET_PDEATHSIG with SIGKILL). A child that dies or hangs fails
+``SCHED_IDLE`` before it loads its own backend, so every thread it makes (its lanes,
+onnxruntime's session pools, torch's OpenMP teams) inherits the policy. Its weights are
+mapped from the file the worker maps (``runtime/weights.py``): one copy in memory for both.
+The tuner freezes it (``pause``: SIGSTOP) while a served forward it times runs; it dies with
+its worker even while frozen (PR_SET_PDEATHSIG with SIGKILL). A child that dies or hangs fails
 the shadow it was running, is killed and reaped, and the next shadow starts a new one (the
 shadow loop backs off between failures); ``close`` ends in bounded time. It shares no
 lock with the worker, not even Python's GIL: a shadow thread of the worker's own process that
@@ -97,7 +98,8 @@ class _Child:
 
 
 class ShadowProcess:
-    """Shadow forwards in a ``SCHED_IDLE`` child process with its own copy of the backend.
+    """Shadow forwards in a ``SCHED_IDLE`` child process with its own backend over the
+    worker's weights file.
     A child that dies or hangs (no answer and no CPU time for ``hang_s``) fails the forward
     it was running (``RuntimeFault``), is killed and reaped, and the next forward starts a
     new one (``respawns``); the tuner's shadow loop backs off between them."""

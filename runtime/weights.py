@@ -1,0 +1,122 @@
+"""Weights a worker and its shadow process share: both map one read-only file per artifact
+revision and precision, so the kernel keeps one copy of the weights in the page cache and a
+learning worker holds about one model, not two.
+
+How it works: the first load writes the file into the cache (under a file lock, by atomic
+rename); every later load, in the worker and in its shadow child, memory-maps it.
+
+- onnxruntime: an optimized copy of the model whose initializers, already prepacked by
+  onnxruntime for this CPU (``session.save_external_prepacked_constant_initializers``), lie
+  in an external data file that every session maps. A prepacked layout belongs to one CPU
+  and one onnxruntime, so the host fingerprint names the copy. Without it each session (one
+  per thread count) prepacked its own copy of every MatMul weight in private memory.
+- torch: the module's state dict (float32 or bfloat16), loaded with ``torch.load(mmap=True)``
+  and assigned into the module, so its parameters stay file-backed. int8 is not shared:
+  ``quantize_dynamic`` packs weights into fbgemm's own memory.
+
+Invariant: a shared load gives answers bit for bit the same as a private one (the same
+values, the same kernels; ``tests/test_weights.py`` checks both backends), so a worker whose
+cache cannot be written falls back to a private load (``shared_weights_unavailable`` in the
+log) and its shadows still match its answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from vllm_srun.runtime.export import once
+from vllm_srun.runtime.host import host_fingerprint
+from vllm_srun.runtime.paths import cache_dir
+from vllm_srun.runtime.precision import Precision
+from vllm_srun.runtime.types import BackendName, Manifest
+
+log = logging.getLogger(__name__)
+
+ONNX_DATA = "model.data"  # the external data file beside a shared model.onnx
+
+
+def shared_onnx_path(manifest: Manifest, precision: Precision) -> Path:
+    """Where the shared copy of an artifact's ONNX file lives for this host."""
+    host, _ = host_fingerprint(BackendName.ONNXRUNTIME, 0)
+    name = f"{manifest.revision}-{manifest.task.value}-{precision.value}-{host}"
+    return cache_dir() / "shared" / name / "model.onnx"
+
+
+def shared_onnx(manifest: Manifest, precision: Precision, source: Path) -> Path:
+    """The shared copy of ``source`` (made now if missing); ``source`` itself if the cache
+    cannot hold it (then every session keeps a private copy)."""
+    target = shared_onnx_path(manifest, precision)
+    try:
+        once(target.parent, lambda folder: _write_onnx(source, folder))
+    except Exception as exc:  # onnxruntime's errors are untyped; a private load still works
+        log.warning("shared_weights_unavailable backend=onnxruntime path=%s error=%s",
+                    target, exc)
+        return source
+    return target
+
+
+def _write_onnx(source: Path, folder: Path) -> None:
+    """Let onnxruntime optimize ``source`` and write the result, its prepacked weights as
+    external data, into ``folder`` (which appears whole, by rename)."""
+    import onnxruntime as ort
+
+    log.info("shared_weights_write backend=onnxruntime source=%s path=%s", source, folder)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.optimized_model_filepath = str(tmp / "model.onnx")
+        for key, value in (("session.save_external_prepacked_constant_initializers", "1"),
+                           ("session.optimized_model_external_initializers_file_name",
+                            ONNX_DATA),
+                           ("session.optimized_model_external_initializers_min_size_in_bytes",
+                            "128")):
+            opts.add_session_config_entry(key, value)
+        ort.InferenceSession(str(source), opts, providers=["CPUExecutionProvider"])
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shared_state_path(manifest: Manifest, precision: Precision) -> Path:
+    """Where the shared state dict of an artifact's torch module lives."""
+    import torch
+    import transformers
+
+    name = (f"{manifest.revision}-{manifest.task.value}-{precision.value}"
+            f"-torch{torch.__version__}-transformers{transformers.__version__}.pt")
+    return cache_dir() / "shared" / name
+
+
+def share_module(manifest: Manifest, precision: Precision, module) -> bool:
+    """Replace ``module``'s parameters and buffers by ones mapped from the shared state file
+    (written from this module now if missing). Returns whether they are shared; on a cache
+    that cannot hold the file the module keeps its private weights."""
+    import torch
+
+    target = shared_state_path(manifest, precision)
+    try:
+        once(target, lambda path: _write_state(module, path))
+        state = torch.load(target, map_location="cpu", mmap=True, weights_only=True)
+        module.load_state_dict(state, strict=True, assign=True)
+    except Exception as exc:  # torch's errors are of many kinds; a private load still works
+        log.warning("shared_weights_unavailable backend=torch path=%s error=%s", target, exc)
+        return False
+    return True
+
+
+def _write_state(module, target: Path) -> None:
+    import torch
+
+    log.info("shared_weights_write backend=torch path=%s", target)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        torch.save(module.state_dict(), tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
