@@ -138,7 +138,7 @@ class TorchBackend:
     thread_bound = True
 
     def __init__(self, manifest: Manifest, device: str = "cpu",
-                 precision: Precision = Precision.FLOAT32) -> None:
+                 precision: Precision = Precision.FLOAT32, share_weights: bool = True) -> None:
         import torch
 
         from vllm_srun.runtime.torch_model import load_module
@@ -150,7 +150,8 @@ class TorchBackend:
         self.device = torch.device(device)
         self.module = load_module(manifest, precision).to(self.device)
         # parameters mapped from one file the shadow process maps too (``weights.py``)
-        self.shared = (self.device.type == "cpu" and precision is not Precision.INT8
+        self.shared = (share_weights and self.device.type == "cpu"
+                       and precision is not Precision.INT8
                        and share_module(manifest, precision, self.module))
         self._seen = threading.local()
         self.module.register_forward_pre_hook(self._observe)

@@ -98,8 +98,7 @@ def test_onnxruntime_shared_weights_answer_like_a_private_session(precision):
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_torch_shared_weights_answer_like_private_ones_and_are_file_backed(precision,
-                                                                           monkeypatch):
+def test_torch_shared_weights_answer_like_private_ones_and_are_file_backed(precision):
     manifest = resolve(L6)
     shared = load_backend(manifest, "torch", precision=precision)
     assert shared.shared
@@ -109,8 +108,7 @@ def test_torch_shared_weights_answer_like_private_ones_and_are_file_backed(preci
     spans = [tuple(int(x, 16) for x in m.split("-")) for m in mapped]
     for name, p in shared.module.named_parameters():
         assert any(lo <= p.data_ptr() < hi for lo, hi in spans), name
-    monkeypatch.setattr("vllm_srun.runtime.weights.share_module", lambda *a: False)
-    private = TorchBackend(manifest, precision=Precision(precision))
+    private = TorchBackend(manifest, precision=Precision(precision), share_weights=False)
     assert not private.shared
     _same_answers(shared, private)
 
