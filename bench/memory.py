@@ -158,9 +158,10 @@ FORWARD_SHAPES = ((1, 16), (4, 64), (8, 128))  # rows x tokens
 
 
 def forward_timing(args: argparse.Namespace) -> list[dict]:
-    """Served forwards over private against shared weights, in this process, alternating
-    A/B each round: per shape and count, the median over rounds of (shared / private), each
-    round's figure the median of ``--forward-reps`` forwards, and the rounds' spread."""
+    """Served forwards over private against shared weights, in this process, A/B in each
+    round (rounds alternate which side runs first; each side warmed before): per shape and
+    count, the median over rounds of (shared / private), each round's figure the median of
+    ``--forward-reps`` forwards, and the rounds' spread."""
     from vllm_srun.runtime.artifact import resolve
     from vllm_srun.runtime.backend import OnnxBackend, TorchBackend, load_backend
     from vllm_srun.runtime.engine import pad
@@ -177,10 +178,13 @@ def forward_timing(args: argparse.Namespace) -> list[dict]:
         batch = pad([[101, *rng.integers(1000, 29000, tokens - 2).tolist(), 102]
                      for _ in range(n_rows)])
         for n in (1, 2):
+            for backend in (private, shared):  # sessions and thread pools made, warmed
+                context.run(n, lambda b=backend, k=n, x=batch: b.forward(x, k))
             ratios = []
-            for _ in range(args.forward_rounds):
+            for i in range(args.forward_rounds):
                 med = {}
-                for name, backend in (("private", private), ("shared", shared)):
+                sides = (("private", private), ("shared", shared))
+                for name, backend in sides if i % 2 == 0 else sides[::-1]:
                     def one(b=backend, k=n, x=batch) -> float:
                         return context.run(k, lambda: b.forward(x, k)).forward_s
 
@@ -211,8 +215,8 @@ def print_table(runs: list[dict]) -> None:
         s = summary(run)
         print(f"| {run['mode']} | {s['worker']:.0f} | {s['shadow']:.0f} | {s['others']:.0f} "
               f"| {s['total']:.0f} | {s['total'] / base:.2f} |")
-    print("\nShadow child, split (MB): PSS of the shared weights file / other file-backed "
-          "(libraries) / private (anonymous); RSS of the weights file")
+    print("\nPer process (MB): PSS of the shared weights file / of other files (libraries) / "
+          "anonymous; RSS of the weights file (counts a page the other process maps too)")
     for run in runs:
         for p in run["processes"]:
             if p["role"] in ("worker", "shadow"):
