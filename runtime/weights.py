@@ -8,8 +8,9 @@ rename); every later load, in the worker and in its shadow child, memory-maps it
 - onnxruntime: an optimized copy of the model whose initializers, already prepacked by
   onnxruntime for this CPU (``session.save_external_prepacked_constant_initializers``), lie
   in an external data file that every session maps. A prepacked layout belongs to one CPU
-  and one onnxruntime, so the host fingerprint names the copy. Without it each session (one
-  per thread count) prepacked its own copy of every MatMul weight in private memory.
+  and one onnxruntime, so the host fingerprint is part of the copy's name. Without it each
+  session (one per thread count) prepacked its own copy of every MatMul weight in private
+  memory.
 - torch: the module's state dict (float32 or bfloat16), loaded with ``torch.load(mmap=True)``
   and assigned into the module, so its parameters stay file-backed. int8 is not shared:
   ``quantize_dynamic`` packs weights into fbgemm's own memory.
@@ -22,6 +23,7 @@ log) and its shadows still match its answers.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -38,17 +40,21 @@ log = logging.getLogger(__name__)
 ONNX_DATA = "model.data"  # the external data file beside a shared model.onnx
 
 
-def shared_onnx_path(manifest: Manifest, precision: Precision) -> Path:
-    """Where the shared copy of an artifact's ONNX file lives for this host."""
+def shared_onnx_path(manifest: Manifest, precision: Precision, source: Path) -> Path:
+    """Where the shared copy of the ONNX file ``source`` lives for this host: named by the
+    host fingerprint (CPU, onnxruntime) and by ``source`` itself (its path, size and time:
+    an int8 copy made by another recipe, or a replaced model file, gets a copy of its own)."""
     host, _ = host_fingerprint(BackendName.ONNXRUNTIME, 0)
-    name = f"{manifest.revision}-{manifest.task.value}-{precision.value}-{host}"
+    st = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{host}".encode())
+    name = f"{manifest.revision}-{manifest.task.value}-{precision.value}-{key.hexdigest()[:16]}"
     return cache_dir() / "shared" / name / "model.onnx"
 
 
 def shared_onnx(manifest: Manifest, precision: Precision, source: Path) -> Path:
     """The shared copy of ``source`` (made now if missing); ``source`` itself if the cache
     cannot hold it (then every session keeps a private copy)."""
-    target = shared_onnx_path(manifest, precision)
+    target = shared_onnx_path(manifest, precision, source)
     try:
         once(target.parent, lambda folder: _write_onnx(source, folder))
     except Exception as exc:  # onnxruntime's errors are untyped; a private load still works

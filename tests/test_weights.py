@@ -54,7 +54,8 @@ def test_a_shadow_process_maps_the_weights_file_its_worker_maps(model, backend_n
     half to each (PSS about half the RSS of the mapping); its answers are the worker's."""
     manifest = resolve(model)
     served = load_backend(manifest, backend_name)
-    weights = (shared_onnx_path(manifest, Precision.FLOAT32).parent / "model.data"
+    weights = (shared_onnx_path(manifest, Precision.FLOAT32, Path(manifest.onnx_path)).parent
+               / "model.data"
                if backend_name == "onnxruntime"
                else shared_state_path(manifest, Precision.FLOAT32))
     shadows = ShadowProcess(manifest, backend_name)
@@ -93,7 +94,7 @@ def test_onnxruntime_shared_weights_answer_like_a_private_session(precision):
     shared = load_backend(manifest, "onnxruntime", precision=precision)
     source = ensure_quantized(manifest) if precision == "int8" else ensure_onnx(manifest)
     assert shared.onnx_path == str(source)
-    assert shared.session_path == str(shared_onnx_path(manifest, Precision(precision)))
+    assert shared.session_path == str(shared_onnx_path(manifest, Precision(precision), source))
     _same_answers(shared, OnnxBackend(manifest, str(source), precision=Precision(precision)))
 
 
