@@ -54,8 +54,9 @@ def shared_onnx_path(manifest: Manifest, precision: Precision, source: Path) -> 
 def shared_onnx(manifest: Manifest, precision: Precision, source: Path) -> Path:
     """The shared copy of ``source`` (made now if missing); ``source`` itself if the cache
     cannot hold it (then every session keeps a private copy)."""
-    target = shared_onnx_path(manifest, precision, source)
+    target = None
     try:
+        target = shared_onnx_path(manifest, precision, source)
         once(target.parent, lambda folder: _write_onnx(source, folder))
     except Exception as exc:  # onnxruntime's errors are untyped; a private load still works
         log.warning("shared_weights_unavailable backend=onnxruntime path=%s error=%s",

@@ -127,3 +127,8 @@ def test_a_cache_that_cannot_hold_the_shared_copy_loads_private_weights(tmp_path
     assert backend.session_path == backend.onnx_path == manifest.onnx_path
     assert backend.forward(BATCHES[0], 1).outputs.shape == (1, 384)
     assert "shared_weights_unavailable backend=onnxruntime" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="vllm_srun.runtime.weights"):
+        torch_backend = load_backend(resolve(L6), "torch")
+    assert not torch_backend.shared
+    assert torch_backend.forward(BATCHES[0], 1).outputs.shape == (1, 384)
+    assert "shared_weights_unavailable backend=torch" in caplog.text
