@@ -292,7 +292,9 @@ def test_the_shadow_process_dies_with_its_worker_even_while_frozen(tmp_path):
     worker = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(worker.stdout.readline())
-        assert Path(f"/proc/{child}/status").read_text().count("stopped")  # frozen
+        # frozen: SIGSTOP is delivered asynchronously, so the state is read until it shows
+        wait_until(lambda: "stopped" in Path(f"/proc/{child}/status").read_text(), 10,
+                   "the shadow process frozen")
         worker.send_signal(signal.SIGKILL)
         worker.wait(30)
         wait_until(lambda: not Path(f"/proc/{child}").exists() or "zombie" in Path(
