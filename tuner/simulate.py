@@ -1,209 +1,64 @@
-"""A simulated many-core host for the tuner: the real ``AdaptiveThreads`` (every decision its
-own), a fake clock, and a forward-time model in place of a model and its cores.
+"""A simulated many-core host for the tuner (``python -m vllm_srun.tuner.simulate``): the real
+``AdaptiveThreads`` in every worker, a virtual clock, and a forward-time model in place of a
+model and its cores.
 
-Forward-time model: ``t(T, n) = overhead + per_token * T * (serial + (1 - serial) / e) +
-sync * (n - 1)`` ms for ``T`` padded tokens at ``n`` threads, where ``e = n`` while ``n`` fits
-in the free cores and ``free**2 / n`` when it does not (an OpenMP team oversubscribed past the
-free cores waits at every barrier for its descheduled threads). Fit in shape to FACTS.md:
-``per_token`` and ``overhead`` to the L3 onnxruntime row at 1 thread (2.7 ms at 16 tokens, 34
-ms at 256), ``serial`` and ``sync`` to the published 16-32-core record (a short input 1.8x
-faster at 1 thread than at 16, a ~1,200-token input 2.4x faster at 16 than at 1): serial 0.35,
-sync 0.224 ms per extra thread. Times get a small seeded lognormal noise.
+- The forward model (``tuner/sim_model.py``) is fitted to this host's forward table
+  (``bench/results/forward_table.json``, ``python -m bench.forward_table``): per backend and
+  precision, overhead, per-thread sync, and work per row, per token and per token per token of
+  length, with a serial fraction, at 1 and 2 threads. Past 2 threads it follows published
+  many-core figures (``sim_model.fit_published``: a 16-vCPU EPYC's one-row times by length, a
+  16-core Arm host's quiet 1 vs 16 thread times, a long input's 16-thread speed-up).
+- The host (``tuner/sim_host.py``) shares its cores among workers' served forwards (fair share
+  at normal priority), a neighbour's threads, and idle-class shadows (only the cores left; they
+  slow served forwards beside them); noise is a slowly varying host-wide factor times
+  per-forward noise. Requests are rows of one length each, batched as the runtime batches them
+  (``runtime.batching.next_batch``) into rows x length forwards.
 
-The engine is one served forward at a time, in arrival order; shadows run in the gaps (the
-tuner's ``step``). A shadow that would run past the next arrival has that served forward
-start during it, as on a real host, so the tuner sees the overlap and does not keep the
-sample. A neighbour takes ``k`` cores over ``[start_s, end_s)``; a shadow at more threads than
-the cores left waits for them (the time its process would measure), so it is not a sample.
-The tuner reads the cores the neighbours leave free (``free_cpus``, as ``FreeCpus`` reads them
-from ``/proc``), or, without, probes.
+What is fitted: per backend x precision, the host model's parameters (to every cell of the
+measured table, least worst-cell relative error); past 2 threads, the work's share left at 16
+threads and the sync each thread adds (to the published 1/16-thread ratios), the 16-thread
+length curve (to the EPYC figures). What is assumed: that the published ratios, from other
+hosts and a larger model, carry over to this model as shares of its own overhead and work;
+fair sharing of cores at normal priority (checked, not fitted, against the loaded Arm
+figure); idle-class shadows slowing served forwards in proportion to the cores they use
+(one 2-vCPU measurement); the noise's sizes and time constant; requests of one row each,
+batched by the runtime's policy, dispatched to the worker with the fewest waiting.
+
+- ``many_core``: 64 cores, 8 workers, Poisson arrivals of a mix of lengths, and a neighbour
+  whose cores change at random between none and half the host: mode 2 against every fixed
+  per-worker count. The scenario is set before any run and not tuned to the result.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_srun.records.host_record import Coverage, Scope, Voucher
-from vllm_srun.runtime.sizes import size_range
-from vllm_srun.runtime.types import ForwardResult, TokenBatch
-from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
-from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
+from vllm_srun.tuner.adaptive import TunerSettings
+from vllm_srun.tuner.modes import allowed_counts
+from vllm_srun.tuner.sim_host import (
+    Arrival,
+    CoresHook,
+    Neighbour,
+    Noise,
+    Outcome,
+    SimulatedHost,
+)
+from vllm_srun.tuner.sim_model import ConfigFit, TimeModel, calibrated
+
+__all__ = ["Arrival", "ConfigFit", "Neighbour", "Noise", "Outcome", "SimulatedHost",
+           "TimeModel", "calibrated", "herd", "many_core", "poisson_trace", "request_trace",
+           "shifting_neighbour"]
 
 
-@dataclass(frozen=True)
-class TimeModel:
-    cores: int
-    overhead_ms: float = 0.74
-    per_token_ms: float = 0.1225
-    serial: float = 0.35
-    sync_ms: float = 0.224
-    noise: float = 0.05  # lognormal sigma
-
-    def forward_ms(self, padded_tokens: int, num_threads: int, free_cores: int) -> float:
-        free = max(1, free_cores)
-        eff = num_threads if num_threads <= free else free * free / num_threads
-        return (self.overhead_ms + self.per_token_ms * padded_tokens
-                * (self.serial + (1 - self.serial) / eff) + self.sync_ms * (num_threads - 1))
-
-    def best(self, padded_tokens: int, counts: Sequence[int], free_cores: int) -> int:
-        return min(counts, key=lambda n: self.forward_ms(padded_tokens, n, free_cores))
-
-
-@dataclass(frozen=True)
-class Neighbour:
-    cores: int
-    start_s: float
-    end_s: float = math.inf
-
-
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float
-    padded_tokens: int
-
-
-@dataclass
-class Outcome:
-    served_ms: list[float] = field(default_factory=list)  # per forward, in order
-    latency_ms: list[float] = field(default_factory=list)  # queueing plus forward
-    served_threads: list[int] = field(default_factory=list)
-    explored: list[bool] = field(default_factory=list)  # served at a count to time it
-    at_s: list[float] = field(default_factory=list)  # when each forward started
-    learned_at: dict[int, int] = field(default_factory=dict)  # range -> forwards seen there
-    relearns: int = 0
-    discarded: int = 0
-
-    @property
-    def mean_latency_ms(self) -> float:
-        return float(np.mean(self.latency_ms))
-
-
-def _batch(padded_tokens: int) -> TokenBatch:
-    ids = np.ones((1, padded_tokens), dtype=np.int64)
-    return TokenBatch(ids, ids)
-
-
-def _outputs(padded_tokens: int) -> np.ndarray:
-    """The same answer at every count: this simulates a vouched, bit-exact host."""
-    return np.full((1, 4), float(padded_tokens), dtype=np.float32)
-
-
-class SimulatedHost:
-    """Runs a trace through a worker whose forwards the time model times. ``fixed``: every
-    forward at that count (no tuner); else the real tuner in ``mode`` (vouched)."""
-
-    def __init__(self, model: TimeModel, neighbours: Sequence[Neighbour] = (),
-                 fixed: int | None = None, mode: AdaptiveMode = AdaptiveMode.SERVE,
-                 settings: TunerSettings | None = None, seed: int = 0,
-                 configured: int | None = None, free_cpus: bool = True) -> None:
-        self.model, self.neighbours, self.fixed = model, tuple(neighbours), fixed
-        self.now_s = 0.0
-        self._rng = np.random.default_rng(seed)
-        self._next: Arrival | None = None
-        # a served forward that started during a shadow, and its count
-        self._early: tuple[TokenBatch, int, bool] | None = None
-        self.configured = configured or max(1, min(16, model.cores // 2))  # default: R2.3
-        self.counts = allowed_counts(self.configured, model.cores)
-        self.tuner: AdaptiveThreads | None = None
-        if fixed is None:
-            settings = settings or TunerSettings(background=False)
-            self.tuner = AdaptiveThreads(mode, self.configured, self.counts,
-                                         Scope("sim", "sim", "sim"), None, self._never,
-                                         settings, clock=lambda: self.now_s,
-                                         shadow_forward=self._shadow,
-                                         pause_shadows=lambda frozen: frozen,
-                                         free_cpu_s=self._free_s if free_cpus else None)
-            self.tuner.locked_reason = None  # no golden check to run on a model
-            big = 1 << 30  # a modelled host: every count and shape vouched for
-            self.tuner.voucher = Voucher(1, 0, True, (Coverage(tuple(self.counts), big, 1, big,
-                                                               big, big, 1),))
-
-    def free_cores(self, at_s: float) -> int:
-        taken = sum(n.cores for n in self.neighbours if n.start_s <= at_s < n.end_s)
-        return max(1, self.model.cores - taken)
-
-    def _free_s(self) -> tuple[float, float]:
-        """Now, and the CPU seconds the neighbours left the worker so far
-        (``FreeCpus.latest``)."""
-        t = self.now_s
-        return t, self.model.cores * t - sum(n.cores * (min(t, n.end_s) - n.start_s)
-                                             for n in self.neighbours if n.start_s < t)
-
-    def _ms(self, padded_tokens: int, n: int, at_s: float) -> float:
-        ms = self.model.forward_ms(padded_tokens, n, self.free_cores(at_s))
-        return ms * float(np.exp(self._rng.normal(0, self.model.noise)))
-
-    @staticmethod
-    def _never(batch: TokenBatch, n: int) -> ForwardResult:
-        raise AssertionError("served forwards are simulated by run()")
-
-    def _shadow(self, batch: TokenBatch, n: int) -> ForwardResult:
-        ms = self._ms(batch.padded_tokens, n, self.now_s)
-        free = self.free_cores(self.now_s)  # as its time: the cores left when it starts
-        end_s = self.now_s + ms / 1000
-        nxt = self._next
-        if nxt is not None and end_s > nxt.at_s and self._early is None:
-            self.now_s = max(self.now_s, nxt.at_s)
-            served, explored = _batch(nxt.padded_tokens), self.tuner.explored
-            self._early = (served, self.tuner.served_threads(served),
-                           self.tuner.explored > explored)
-        else:
-            self.now_s = end_s
-        # an idle-class shadow with more threads than free cores waits for the neighbour's
-        # (a real one gets next to no CPU there; its process measures the wait)
-        waited = ms / 1000 * (n - free) if n > free else 0.0
-        return ForwardResult(_outputs(batch.padded_tokens), n, n, ms / 1000, waited)
-
-    def run(self, trace: Sequence[Arrival]) -> Outcome:
-        out = Outcome()
-        seen: dict[int, int] = {}
-        tuner = self.tuner
-        for arrival in trace:
-            self._next = arrival
-            while tuner is not None and self.now_s < arrival.at_s and self._early is None:
-                if not tuner.step():
-                    if not self.now_s < tuner._sharing_at < arrival.at_s:
-                        break
-                    self.now_s = tuner._sharing_at  # the loop wakes when a shadow may start
-            start_s = max(self.now_s, arrival.at_s)
-            batch = _batch(arrival.padded_tokens)
-            explored = False
-            if tuner is None:
-                n = self.fixed
-            elif self._early is not None:
-                (batch, n, explored), self._early = self._early, None
-            else:
-                before = tuner.explored
-                n = tuner.served_threads(batch)
-                explored = tuner.explored > before
-            ms = self._ms(arrival.padded_tokens, n, start_s)
-            self.now_s = start_s + ms / 1000
-            out.served_ms.append(ms)
-            out.latency_ms.append((self.now_s - arrival.at_s) * 1000)
-            out.served_threads.append(n)
-            out.explored.append(explored)
-            out.at_s.append(start_s)
-            if tuner is not None:
-                tuner.observe(batch, ForwardResult(_outputs(arrival.padded_tokens), n, n,
-                                                   ms / 1000))
-                lo = size_range(arrival.padded_tokens)[0]
-                seen[lo] = seen.get(lo, 0) + 1
-                r = tuner.ranges.get(lo)
-                if r is not None and r.learned is not None and lo not in out.learned_at:
-                    out.learned_at[lo] = seen[lo]
-        if tuner is not None:
-            out.relearns = sum(r.relearns for r in tuner.ranges.values())
-            out.discarded = tuner.discarded
-        return out
-
+# -- traffic -----------------------------------------------------------------------------------
 
 def poisson_trace(rate_per_s: float, duration_s: float, sizes: Sequence[int],
                   seed: int = 0, start_s: float = 0.0) -> list[Arrival]:
-    """Poisson arrivals, each a forward of one of ``sizes`` padded tokens (uniformly)."""
+    """Poisson arrivals, each a one-row request of one of ``sizes`` tokens (uniformly)."""
     rng = np.random.default_rng(seed)
     out, t = [], start_s
     while True:
@@ -213,36 +68,138 @@ def poisson_trace(rate_per_s: float, duration_s: float, sizes: Sequence[int],
         out.append(Arrival(t, int(sizes[int(rng.integers(len(sizes)))])))
 
 
-def shifting_trace(seed: int) -> list[Arrival]:
-    """Long inputs on a quiet host (0-300 s), the same beside a neighbour (300-600 s, give it
-    as ``Neighbour(k, 300, 600)``), then a burst of short ones (600-900 s)."""
-    long = [1024, 1024, 1024, 256, 16]
-    return (poisson_trace(8, 300, long, seed=seed)
-            + poisson_trace(8, 300, long, seed=seed + 1, start_s=300)
-            + poisson_trace(40, 300, [16, 16, 16, 64, 256], seed=seed + 2, start_s=600))
+def request_length(rng: np.random.Generator) -> int:
+    """FACTS.md's mixed traffic: 70% short queries (8-32 tokens), 25% passages (64-256), 5%
+    long (384-512), log-uniform within each."""
+    lo, hi = ((8, 32), (64, 256), (384, 512))[int(rng.choice(3, p=(0.70, 0.25, 0.05)))]
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
 
-def compare(cores: int, taken: int, seed: int = 10) -> dict[str, tuple[float, float]]:
-    """Mean served forward ms and mean latency ms on the shifting trace: mode 2 (vouched)
-    and every fixed allowed count."""
-    model, neighbours = TimeModel(cores), [Neighbour(taken, 300, 600)]
-    trace = shifting_trace(seed)
-    if cores <= 4:  # a small host takes a quarter of the traffic
-        trace = trace[::4]
-    runs = {"adaptive (mode 2)": SimulatedHost(model, neighbours, seed=1).run(trace)}
-    for n in SimulatedHost(model).counts:
-        runs[f"fixed {n}"] = SimulatedHost(model, neighbours, fixed=n, seed=1).run(trace)
-    return {k: (float(np.mean(o.served_ms)), o.mean_latency_ms) for k, o in runs.items()}
+def request_trace(rate_per_s: float, duration_s: float, seed: int) -> list[Arrival]:
+    rng = np.random.default_rng(seed)
+    out, t = [], 0.0
+    while (t := t + float(rng.exponential(1 / rate_per_s))) < duration_s:
+        out.append(Arrival(t, request_length(rng)))
+    return out
+
+
+def shifting_neighbour(cores: int, duration_s: float, seed: int,
+                       mean_hold_s: float = 30.0) -> list[Neighbour]:
+    """A neighbour holding a level drawn uniformly from 0..cores/2 busy threads, each level for
+    an exponential time (mean ``mean_hold_s``)."""
+    rng = np.random.default_rng(seed)
+    out, t = [], 0.0
+    while t < duration_s:
+        hold = float(rng.exponential(mean_hold_s))
+        level = int(rng.integers(0, cores // 2 + 1))
+        if level:
+            out.append(Neighbour(level, t, min(duration_s, t + hold)))
+        t += hold
+    return out
+
+
+# -- what a run shows -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Herd:
+    """Workers whose served count changed within one ``window_s``: the most in any window, and
+    the changes that came with at least half the workers (two at least) changing in the
+    ``window_s`` up to them. Forwards mode 2 served at a count only to time it are not
+    changes (``Outcome.changes``)."""
+
+    window_s: float
+    most_workers: int
+    windows_half_or_more: int
+    changes: int
+
+
+def herd(outcome: Outcome, workers: int, window_s: float = 1.0) -> Herd:
+    changes = sorted(outcome.changes)
+    crowded = max(2, math.ceil(workers / 2))
+    most = half = j = 0
+    for i, (t, _, _) in enumerate(changes):
+        while changes[j][0] < t - window_s:
+            j += 1
+        n = len({w for _, w, _ in changes[j:i + 1]})
+        most, half = max(most, n), half + (n >= crowded)
+    return Herd(window_s, most, half, len(changes))
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    name: str
+    mean_forward_ms: float
+    mean_latency_ms: float
+    p99_latency_ms: float
+    forwards: int
+    max_served_threads: int  # all workers together, at any instant
+    over_cores_share: float  # of the run's time, the share they passed the cores
+    herd: Herd | None
+
+
+def summarise(name: str, outcome: Outcome, workers: int) -> RunSummary:
+    return RunSummary(name, float(np.mean(outcome.served_ms)), outcome.mean_latency_ms,
+                      float(np.percentile(outcome.latency_ms, 99)), len(outcome.served_ms),
+                      outcome.max_served_threads,
+                      outcome.over_cores_s / max(1e-9, max(outcome.at_s, default=0.0)),
+                      herd(outcome, workers))
+
+
+def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers: int = 8,
+              load: float = 0.5, configured: int | None = None, config: ConfigFit | None = None,
+              cores_hook: CoresHook | None = None,
+              settings: TunerSettings | None = None) -> list[RunSummary]:
+    """Mode 2 and every fixed per-worker count on the same trace and neighbour.
+
+    Arrivals: Poisson, FACTS.md's length mix, at ``load`` times what the workers serve at
+    ``cores // workers`` threads each on a quiet host (one row per forward, a lower bound on
+    capacity: batching, up to 32 rows and 2,048 padded tokens as the runtime's defaults,
+    raises it). Neighbour: ``shifting_neighbour`` (0 to half the cores).
+    ``configured`` (default R2.3's: half the cores, at most 16: every worker's default
+    on a host it does not split) is mode 2's configured count."""
+    config = config or calibrated()  # the measured host's default backend
+    share = max(1, cores // workers)
+    rng = np.random.default_rng(seed)
+    mean_ms = float(np.mean([config.quiet_ms(1, request_length(rng), share)
+                             for _ in range(4000)]))
+    rate = load * workers * 1000 / mean_ms
+    trace = request_trace(rate, duration_s, seed)
+    neighbours = shifting_neighbour(cores, duration_s, seed + 1)
+    configured = configured or max(1, min(16, cores // 2))
+    counts = allowed_counts(configured, cores)
+
+    def host(fixed: int | None) -> SimulatedHost:
+        return SimulatedHost(TimeModel(cores, config), neighbours, fixed, seed=seed,
+                             configured=configured, counts=counts, workers=workers,
+                             cores_hook=cores_hook, settings=settings, max_rows=32,
+                             max_tokens=2048)
+
+    runs = [summarise(f"mode 2 (configured {configured})", host(None).run(trace), workers)]
+    runs += [summarise(f"fixed {n}", host(n).run(trace), workers) for n in counts]
+    return runs
+
+
+def table(runs: Sequence[RunSummary], cores: int) -> list[str]:
+    out = [f"| worker | mean forward ms | mean latency ms | p99 latency ms | forwards | most "
+           f"served threads at once (of {cores} cores) | time over the cores | most workers "
+           "changing count in 1 s | count changes (with half the workers or more) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        h = r.herd
+        out.append(f"| {r.name} | {r.mean_forward_ms:.2f} | {r.mean_latency_ms:.2f} | "
+                   f"{r.p99_latency_ms:.1f} | {r.forwards} | {r.max_served_threads} | "
+                   f"{r.over_cores_share:.1%} | {h.most_workers} | "
+                   f"{h.changes} ({h.windows_half_or_more}) |")
+    return out
 
 
 def main() -> None:
-    """``python -m vllm_srun.tuner.simulate``: the shifting-load comparison as a table."""
-    for cores, taken in ((4, 3), (16, 12), (64, 60)):
-        print(f"\n{cores} cores, a neighbour takes {taken} from 300 s to 600 s")
-        print("| worker | mean forward ms | mean latency ms |\n|---|---|---|")
-        for name, (served, latency) in compare(cores, taken).items():
-            print(f"| {name} | {served:.2f} | {latency:.2f} |")
+    """The 64-core, 8-worker comparison as a table, one seed per section."""
+    for seed in (1, 2):
+        print(f"\n64 cores, 8 workers, shifting neighbour, 50% load, seed {seed}")
+        print("\n".join(table(many_core(seed), 64)))
 
 
 if __name__ == "__main__":
     main()
+

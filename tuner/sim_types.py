@@ -1,0 +1,90 @@
+"""The simulator's vocabulary (``tuner/simulate.py``): what arrives, what else runs on the
+host, its noise, and what a run shows."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_srun.runtime.types import TokenBatch
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    padded_tokens: int  # the request's tokens (one row)
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """``cores`` busy threads at normal priority over ``[start_s, end_s)``."""
+
+    cores: float
+    start_s: float
+    end_s: float = math.inf
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Per-forward lognormal sigma, and the host-wide factor's (log) sigma and time constant.
+    Assumed, not measured apart: FACTS.md reports the same timing varying about +-30%
+    between runs on this shared host, which the host-wide factor's spread covers."""
+
+    forward: float = 0.05
+    host: float = 0.10
+    host_tau_s: float = 30.0
+
+
+@dataclass
+class Outcome:
+    """Per served forward, in the order they ended; per request, its latency."""
+
+    served_ms: list[float] = field(default_factory=list)
+    served_threads: list[int] = field(default_factory=list)
+    at_s: list[float] = field(default_factory=list)  # when each forward started
+    worker: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    explored: list[bool] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)  # per request: queue plus forward
+    max_served_threads: int = 0  # most served threads at once, all workers together
+    over_cores_s: float = 0.0  # time the served threads of all workers passed the cores
+    # (time, worker, new count): each time a worker's served count changed (mode 2's
+    # forwards served at a count only to time it aside)
+    changes: list[tuple[float, int, int]] = field(default_factory=list)
+
+    @property
+    def mean_latency_ms(self) -> float:
+        return float(np.mean(self.latency_ms))
+
+    @property
+    def served_s(self) -> float:
+        return float(np.sum(self.served_ms)) / 1000
+
+
+@dataclass
+class InFlight:
+    """A forward in flight on the simulated host (mutable: the event loop advances it)."""
+
+    worker: int
+    threads: int
+    left_ms: float  # quiet-host work left
+    start_s: float
+    shadow: bool
+    batch: TokenBatch
+    requests: list[tuple[int, float]] = field(default_factory=list)  # (id, arrived at)
+    waited_s: float = 0.0
+    explored: bool = False  # mode 2 served it at a count only to time it (``explored``)
+
+
+def batch_of(rows: int, length: int) -> TokenBatch:
+    ids = np.ones((rows, length), dtype=np.int64)
+    return TokenBatch(ids, ids)
+
+
+def answer(batch: TokenBatch) -> np.ndarray:
+    """The same at every count: a vouched, bit-exact host."""
+    return np.full((batch.rows, 4), float(batch.input_ids.shape[1]), dtype=np.float32)
+
+
