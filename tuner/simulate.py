@@ -31,6 +31,7 @@ batched by the runtime's policy, dispatched to the worker with the fewest waitin
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from vllm_srun.tuner.sim_host import (
     Outcome,
     SimulatedHost,
 )
-from vllm_srun.tuner.sim_model import ConfigFit, TimeModel, calibrated
+from vllm_srun.tuner.sim_model import REFERENCE, ConfigFit, TimeModel, calibrated
 
 __all__ = ["Arrival", "ConfigFit", "Neighbour", "Noise", "Outcome", "SimulatedHost",
            "TimeModel", "calibrated", "herd", "many_core", "poisson_trace", "request_trace",
@@ -193,13 +194,27 @@ def table(runs: Sequence[RunSummary], cores: int) -> list[str]:
     return out
 
 
-def main() -> None:
-    """The 64-core, 8-worker comparison as a table, one seed per section."""
-    for seed in (1, 2):
-        print(f"\n64 cores, 8 workers, shifting neighbour, 50% load, seed {seed}")
-        print("\n".join(table(many_core(seed), 64)))
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m vllm_srun.tuner.simulate [--model table|reference] [--seconds S]
+    [--seeds 1,2]``: the 64-core, 8-worker comparison as a table per seed, on the measured
+    host's default backend (``table``) or the fixed reference model."""
+    parser = argparse.ArgumentParser(prog="python -m vllm_srun.tuner.simulate")
+    parser.add_argument("--model", choices=("table", "reference"), default="table")
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--seeds", default="1,2")
+    args = parser.parse_args(argv)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds must be integers separated by commas, got {args.seeds!r}")
+    if args.seconds <= 0:
+        parser.error(f"--seconds must be > 0, got {args.seconds}")
+    config = calibrated() if args.model == "table" else REFERENCE
+    for seed in seeds:
+        print(f"\n64 cores, 8 workers, a neighbour shifting between none and half the cores, "
+              f"50% load, {args.seconds:.0f} s, model {args.model}, seed {seed}")
+        print("\n".join(table(many_core(seed, args.seconds, config=config), 64)), flush=True)
 
 
 if __name__ == "__main__":
     main()
-
