@@ -182,20 +182,26 @@ def _minimax(x: np.ndarray, y: np.ndarray, rounds: int = 40) -> np.ndarray:
 
 GRAINS = (0.0, *(2.0 ** k for k in range(3, 13)))  # tokens: 8 .. 4096
 SERIALS = tuple(np.linspace(0, 0.95, 20))
+REFINED = 8  # grid points refined by ``_minimax`` (the least-squares ranking's best)
 
 
 def fit_config(cells: Sequence[dict]) -> ConfigFit:
     """One backend x precision: the serial fraction and the grain by grid (``SERIALS``,
-    ``GRAINS``), the rest by ``_minimax`` on relative error; the fit with the smallest
-    worst-cell error wins."""
-    best = None
+    ``GRAINS``), the rest by least squares; the few grid points with the smallest worst-cell
+    relative error are refined by ``_minimax``, and the best wins."""
+    ranked = []
     for grain in GRAINS:
         for serial in SERIALS:
             x, y = _design(cells, serial, grain)
-            coef = _minimax(x, y)
-            worst = float(np.abs(x @ coef - y).max())
-            if best is None or worst < best[0]:
-                best = (worst, float(serial), grain, coef)
+            coef = _nonnegative_lstsq(x, y)
+            ranked.append((float(np.abs(x @ coef - y).max()), float(serial), grain))
+    best = None
+    for _, serial, grain in sorted(ranked)[:REFINED]:
+        x, y = _design(cells, serial, grain)
+        coef = _minimax(x, y)
+        worst = float(np.abs(x @ coef - y).max())
+        if best is None or worst < best[0]:
+            best = (worst, serial, grain, coef)
     _, serial, grain, (o, o2, row, tok, tok2) = best
     # the fixed part at 2 threads: more than at 1 is sync, less is the overhead splitting
     sync, o_serial = (o2 - o, 1.0) if o2 >= o or o == 0 else (0.0, max(0.0, 2 * o2 / o - 1))

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_srun.tuner.adaptive import TunerSettings
+from vllm_srun.tuner.cores import grant
 from vllm_srun.tuner.modes import allowed_counts
 from vllm_srun.tuner.sim_host import (
     Arrival,
@@ -103,27 +104,44 @@ def shifting_neighbour(cores: int, duration_s: float, seed: int,
 
 @dataclass(frozen=True)
 class Herd:
-    """Workers whose served count changed within one ``window_s``: the most in any window, and
-    the changes that came with at least half the workers (two at least) changing in the
-    ``window_s`` up to them. Forwards mode 2 served at a count only to time it are not
-    changes (``Outcome.changes``)."""
+    """Do workers change their served count together? For each change, the other workers
+    that changed within ``window_s`` either side (``coincident``, averaged), against what
+    as many changes at independent, uniformly spread times would give (``expected``): a
+    ``ratio`` near 1 is independent workers, far above 1 a herd. ``most_workers``: the
+    most workers changing within one ``window_s``. Forwards mode 2 served at a count only
+    to time it are not changes; contention's fallbacks and probes are."""
 
     window_s: float
-    most_workers: int
-    windows_half_or_more: int
     changes: int
+    most_workers: int
+    coincident: float
+    expected: float
+
+    @property
+    def ratio(self) -> float:
+        return self.coincident / self.expected if self.expected else 0.0
 
 
-def herd(outcome: Outcome, workers: int, window_s: float = 1.0) -> Herd:
+def herd(outcome: Outcome, workers: int, duration_s: float, window_s: float = 0.1) -> Herd:
     changes = sorted(outcome.changes)
-    crowded = max(2, math.ceil(workers / 2))
-    most = half = j = 0
-    for i, (t, _, _) in enumerate(changes):
-        while changes[j][0] < t - window_s:
-            j += 1
-        n = len({w for _, w, _ in changes[j:i + 1]})
-        most, half = max(most, n), half + (n >= crowded)
-    return Herd(window_s, most, half, len(changes))
+    if not changes:
+        return Herd(window_s, 0, 0, 0.0, 0.0)
+    times = np.asarray([t for t, _, _ in changes])
+    who = np.asarray([w for _, w, _ in changes])
+    per_worker = np.bincount(who, minlength=workers)
+    most, coincident, expected = 0, 0.0, 0.0
+    for t, w, _ in changes:
+        lo = np.searchsorted(times, t - window_s, "left")
+        near = set(who[lo:np.searchsorted(times, t + window_s, "right")].tolist())
+        ahead = set(who[np.searchsorted(times, t, "left"):np.searchsorted(
+            times, t + window_s, "right")].tolist())
+        most = max(most, len(ahead))
+        coincident += len(near - {w})
+        # independent: each other worker changes within +-window with its own rate
+        rates = np.delete(per_worker, w) / duration_s
+        expected += float(np.sum(1 - np.exp(-rates * 2 * window_s)))
+    return Herd(window_s, len(changes), most, coincident / len(changes),
+                expected / len(changes))
 
 
 @dataclass(frozen=True)
@@ -138,19 +156,27 @@ class RunSummary:
     herd: Herd | None
 
 
-def summarise(name: str, outcome: Outcome, workers: int) -> RunSummary:
+def summarise(name: str, outcome: Outcome, workers: int, duration_s: float) -> RunSummary:
     return RunSummary(name, float(np.mean(outcome.served_ms)), outcome.mean_latency_ms,
                       float(np.percentile(outcome.latency_ms, 99)), len(outcome.served_ms),
                       outcome.max_served_threads,
                       outcome.over_cores_s / max(1e-9, max(outcome.at_s, default=0.0)),
-                      herd(outcome, workers))
+                      herd(outcome, workers, duration_s))
+
+
+def ledger(cores: int, configured: int) -> CoresHook:
+    """``tuner/cores.py``'s rule as the host's hook: a count above the configured one serves
+    only while the other workers' served threads plus it stay within the cores (the ledger's
+    linger after a forward ends is not modelled)."""
+    return lambda worker, want, others: grant(want, configured, sum(others), cores)
 
 
 def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers: int = 8,
               load: float = 0.5, configured: int | None = None, config: ConfigFit | None = None,
               cores_hook: CoresHook | None = None,
               settings: TunerSettings | None = None) -> list[RunSummary]:
-    """Mode 2 and every fixed per-worker count on the same trace and neighbour.
+    """Mode 2 (alone, and with ``tuner/cores.py``'s ledger unless ``cores_hook`` replaces it)
+    and every fixed per-worker count on the same trace and neighbour.
 
     Arrivals: Poisson, FACTS.md's length mix, at ``load`` times what the workers serve at
     ``cores // workers`` threads each on a quiet host (one row per forward, a lower bound on
@@ -175,22 +201,32 @@ def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers
                              cores_hook=cores_hook, settings=settings, max_rows=32,
                              max_tokens=2048)
 
-    runs = [summarise(f"mode 2 (configured {configured})", host(None).run(trace), workers)]
-    runs += [summarise(f"fixed {n}", host(n).run(trace), workers) for n in counts]
+    runs = [summarise(f"mode 2 (configured {configured})", host(None).run(trace), workers,
+                      duration_s)]
+    if cores_hook is None:  # as a multi-replica deployment runs it: with the core ledger
+        ledgered = SimulatedHost(TimeModel(cores, config), neighbours, None, seed=seed,
+                                 configured=configured, counts=counts, workers=workers,
+                                 cores_hook=ledger(cores, configured), settings=settings,
+                                 max_rows=32, max_tokens=2048)
+        runs.append(summarise(f"mode 2 + core ledger (configured {configured})",
+                              ledgered.run(trace), workers, duration_s))
+    runs += [summarise(f"fixed {n}", host(n).run(trace), workers, duration_s)
+             for n in counts]
     return runs
 
 
 def table(runs: Sequence[RunSummary], cores: int) -> list[str]:
     out = [f"| worker | mean forward ms | mean latency ms | p99 latency ms | forwards | most "
-           f"served threads at once (of {cores} cores) | time over the cores | most workers "
-           "changing count in 1 s | count changes (with half the workers or more) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           f"served threads at once (of {cores} cores) | time over the cores | count "
+           "changes | other workers changing within 0.1 s of one: seen / if independent "
+           "| most workers changing in 0.1 s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         h = r.herd
         out.append(f"| {r.name} | {r.mean_forward_ms:.2f} | {r.mean_latency_ms:.2f} | "
                    f"{r.p99_latency_ms:.1f} | {r.forwards} | {r.max_served_threads} | "
-                   f"{r.over_cores_share:.1%} | {h.most_workers} | "
-                   f"{h.changes} ({h.windows_half_or_more}) |")
+                   f"{r.over_cores_share:.1%} | {h.changes} | {h.coincident:.2f} / "
+                   f"{h.expected:.2f} | {h.most_workers} |")
     return out
 
 
