@@ -175,8 +175,9 @@ def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers
               load: float = 0.5, configured: int | None = None, config: ConfigFit | None = None,
               cores_hook: CoresHook | None = None,
               settings: TunerSettings | None = None) -> list[RunSummary]:
-    """Mode 2 (alone, and with ``tuner/cores.py``'s ledger unless ``cores_hook`` replaces it)
-    and every fixed per-worker count on the same trace and neighbour.
+    """Mode 2 and every fixed per-worker count on the same trace and neighbour; unless
+    ``cores_hook`` replaces it, mode 2 also as docs/pool.md advises for several workers
+    (configured ``cores // workers``, ``tuner/cores.py``'s ledger as the hook).
 
     Arrivals: Poisson, FACTS.md's length mix, at ``load`` times what the workers serve at
     ``cores // workers`` threads each on a quiet host (one row per forward, a lower bound on
@@ -203,12 +204,13 @@ def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers
 
     runs = [summarise(f"mode 2 (configured {configured})", host(None).run(trace), workers,
                       duration_s)]
-    if cores_hook is None:  # as a multi-replica deployment runs it: with the core ledger
+    if cores_hook is None:  # as docs/pool.md advises: --threads cores / workers, the ledger
+        split = max(1, cores // workers)
         ledgered = SimulatedHost(TimeModel(cores, config), neighbours, None, seed=seed,
-                                 configured=configured, counts=counts, workers=workers,
-                                 cores_hook=ledger(cores, configured), settings=settings,
-                                 max_rows=32, max_tokens=2048)
-        runs.append(summarise(f"mode 2 + core ledger (configured {configured})",
+                                 configured=split, counts=allowed_counts(split, cores),
+                                 workers=workers, cores_hook=ledger(cores, split),
+                                 settings=settings, max_rows=32, max_tokens=2048)
+        runs.append(summarise(f"mode 2 + core ledger (configured {split})",
                               ledgered.run(trace), workers, duration_s))
     runs += [summarise(f"fixed {n}", host(n).run(trace), workers, duration_s)
              for n in counts]
