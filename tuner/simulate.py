@@ -4,15 +4,20 @@ model and its cores.
 
 - The forward model (``tuner/sim_model.py``) is fitted to this host's forward table
   (``bench/results/forward_table.json``, ``python -m bench.forward_table``): per backend and
-  precision, overhead, per-thread sync, and work per row, per token and per token per token of
-  length, with a serial fraction, at 1 and 2 threads. Past 2 threads it follows published
+  precision, an overhead (part of it splitting across threads), sync, and work per row, per
+  token and per token per token of length, with a serial fraction and a grain (small
+  forwards split less), at 1 and 2 threads. Past 2 threads it follows published
   many-core figures (``sim_model.fit_published``: a 16-vCPU EPYC's one-row times by length, a
   16-core Arm host's quiet 1 vs 16 thread times, a long input's 16-thread speed-up).
 - The host (``tuner/sim_host.py``) shares its cores among workers' served forwards (fair share
   at normal priority), a neighbour's threads, and idle-class shadows (only the cores left; they
   slow served forwards beside them); noise is a slowly varying host-wide factor times
   per-forward noise. Requests are rows of one length each, batched as the runtime batches them
-  (``runtime.batching.next_batch``) into rows x length forwards.
+  (``runtime.batching.next_batch``) into rows x length forwards. Each worker's shadow loop
+  is the tuner's ``step`` run until it returns False, woken as ``tuner/shadows.py``'s loop
+  is (a served forward's end; every 0.05 s while ``pending_shadows``), on a thread of its own
+  in lockstep with the virtual clock (``tuner/sim_lane.py``); the loop's warm-up of each
+  count and its flushes to the record are left out.
 
 What is fitted: per backend x precision, the host model's parameters (to every cell of the
 measured table, least worst-cell relative error); past 2 threads, the work's share left at 16
