@@ -30,6 +30,7 @@ import numpy as np
 
 from vllm_srun.records.host_record import Coverage, HostRecord, Scope
 from vllm_srun.runtime.batching import PendingRow, next_batch
+from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
@@ -80,8 +81,10 @@ class SimulatedHost:
         self._forwards: list[InFlight] = []
         self._queues: list[deque[tuple[int, Arrival]]] = [deque() for _ in range(workers)]
         self._serving: list[InFlight | None] = [None] * workers
-        # the count each worker served last (forwards served to time a count aside)
-        self._count_now = [fixed or configured] * workers
+        # per worker, size range -> the count it served there last (forwards served to time
+        # a count aside); a range not served yet: the configured (or fixed) count
+        self._count_now: list[dict[int, int]] = [{} for _ in range(workers)]
+        self._first_count = fixed or configured
         self._free_s = [0.0] * workers  # CPU seconds other tasks left each worker so far
         self._next_poll = [math.inf] * workers
         self.out = Outcome()
@@ -237,9 +240,11 @@ class SimulatedHost:
         fwd = self.start_forward(w, batch, n, shadow=False)
         fwd.requests, fwd.explored = [(rid, a.at_s) for rid, a in taken], explored
         self._serving[w] = fwd
-        if n != self._count_now[w] and not explored:
+        lo = size_range(batch.padded_tokens)[0]
+        if n != self._count_now[w].get(lo, self._first_count) and not explored:
             self.out.changes.append((self.now_s, w, n))
-            self._count_now[w] = n
+        if not explored:
+            self._count_now[w][lo] = n
         self.out.max_served_threads = max(self.out.max_served_threads, sum(
             f.threads for f in self._serving if f is not None))
 

@@ -50,8 +50,8 @@ class Outcome:
     latency_ms: list[float] = field(default_factory=list)  # per request: queue plus forward
     max_served_threads: int = 0  # most served threads at once, all workers together
     over_cores_s: float = 0.0  # time the served threads of all workers passed the cores
-    # (time, worker, new count): each time a worker's served count changed (mode 2's
-    # forwards served at a count only to time it aside)
+    # (time, worker, new count): each time the count a worker serves for a size range
+    # changed (mode 2's forwards served at a count only to time it aside)
     changes: list[tuple[float, int, int]] = field(default_factory=list)
 
     @property

@@ -109,7 +109,8 @@ def shifting_neighbour(cores: int, duration_s: float, seed: int,
 
 @dataclass(frozen=True)
 class Herd:
-    """Do workers change their served count together? For each change, the other workers
+    """Do workers change their served count together (per size range: a worker serving
+    two ranges at two learned counts is no change)? For each change, the other workers
     that changed within ``window_s`` either side (``coincident``, averaged), against what
     as many changes at independent, uniformly spread times would give (``expected``): a
     ``ratio`` near 1 is independent workers, far above 1 a herd. ``most_workers``: the
