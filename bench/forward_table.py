@@ -13,7 +13,10 @@ The host is shared, so load drift must hit every configuration alike: every conf
 count runs once on every shape before any runs twice (a round), shapes in a shuffled order per
 round, and per shape the configurations and counts in an order that rotates. After a warm-up
 pass, a cell's figure is the median over rounds with its interquartile range. The load average
-(``os.getloadavg``) is sampled after every round and stored, with the CPU's model name.
+(``os.getloadavg``) is sampled after every round and stored, with the CPU's model name. At the
+end it prints the simulator's fit (``tuner/sim_model.py``) to the new table: the worst cell per
+configuration, which tests/test_simulate.py holds within 15% once the table was measured on a
+quiet host.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 from bench.precision import MODEL, Shape, forward, host, load_configs, text_batch
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.threads import ThreadContext
+from vllm_srun.tuner.sim_model import errors, fit_table
 
 CONFIGS = ("torch-float32", "torch-bfloat16", "onnxruntime-float32")
 ROWS = (1, 4, 8, 16)
@@ -119,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{len(doc['cells'])} cells in {doc['seconds']:.0f} s; {doc['load']['note']}; "
           f"wrote {args.out}")
+    for key, fit in fit_table(doc).items():  # what tests/test_simulate.py will check
+        cell, err = max(errors(fit, doc["cells"]), key=lambda ce: abs(ce[1]))
+        print(f"simulator fit {'/'.join(key)}: worst cell {cell['rows']}x"
+              f"{cell['padded_tokens']} at {cell['threads']} thread(s), {err:+.1%}")
     return 0
 
 
