@@ -171,6 +171,17 @@ def test_workers_share_the_cores_and_the_most_served_threads_are_counted():
         assert out.served_ms == pytest.approx([slow * model.quiet_ms(1, 512, n)] * 8)
 
 
+def test_queued_requests_share_a_forward_as_the_runtime_batches_them():
+    """R3.1: requests that wait share the next forward (one length bucket, up to
+    ``max_rows`` rows and ``max_tokens`` padded tokens), timed as rows x padded length."""
+    model = flat()
+    trace = [Arrival(0.0, 20)] * 5 + [Arrival(0.0, 30)] * 3 + [Arrival(0.0, 100)]
+    out = SimulatedHost(TimeModel(2, model), fixed=2, noise=QUIET, max_rows=32).run(trace)
+    assert out.rows == [8, 1]  # 17-32 tokens together, the 100-token one alone
+    assert out.served_ms == pytest.approx([model.quiet_ms(8, 30, 2),
+                                           model.quiet_ms(1, 100, 2)])
+
+
 def test_a_cores_hook_clamps_what_each_worker_serves():
     """The hook tuner/cores.py plugs in: it sees the count a worker wants and the counts the
     others serve now, and what it returns runs."""
