@@ -10,19 +10,21 @@ import numpy as np
 import pytest
 
 from vllm_srun.tuner import report
-from vllm_srun.tuner.sim_model import (
+from vllm_srun.tuner.sim_calibration import (
     EPYC_9575F_16_THREADS_MS,
     KUNPENG_29_TOKENS_MS,
     LONG_INPUT_SPEEDUP_16,
     LONG_INPUT_TOKENS,
     REFERENCE,
-    ConfigFit,
-    ManyCore,
     TimeModel,
     calibrated,
+    fit_published,
+)
+from vllm_srun.tuner.sim_model import (
+    ConfigFit,
+    ManyCore,
     cores_share,
     errors,
-    fit_published,
     fit_table,
     load_table,
 )

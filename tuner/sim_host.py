@@ -34,8 +34,9 @@ from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
+from vllm_srun.tuner.sim_calibration import TimeModel
 from vllm_srun.tuner.sim_lane import ShadowLane
-from vllm_srun.tuner.sim_model import TimeModel, cores_share
+from vllm_srun.tuner.sim_model import cores_share
 from vllm_srun.tuner.sim_types import (
     Arrival,
     InFlight,

@@ -19,9 +19,9 @@ rows of tokens to split (``grain``: the tokens at which a team gains half what i
 large input; measured, a 1-row forward gains much less from a second thread than a 16-row
 one of as many tokens). The measured host has 2 vCPUs, so it pins ``e(n) = n`` for
 ``n <= 2`` only. Beyond, the many-core model (``ManyCore``, fitted to published figures by
-``fit_published``) takes over: ``e(n) = n / (1 + contention * (n - 2))`` (a team's threads
-gain less each, as memory bandwidth and barriers bind) and each thread past the second adds
-``sync_growth * overhead``.
+``sim_calibration.fit_published``) takes over: ``e(n) = n / (1 + contention * (n - 2))`` (a
+team's threads gain less each, as memory bandwidth and barriers bind) and each thread past the
+second adds ``sync_growth * overhead``.
 
 Cores are shared (``cores_share``): normal-priority threads (served forwards, a neighbour) run
 at ``cores / demand`` of a core each when they ask for more than the host has; idle-class
@@ -35,22 +35,11 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 
 TABLE = Path(__file__).resolve().parents[1] / "bench" / "results" / "forward_table.json"
-
-# Published figures (the upstream semantic-router project's CPU records, as FACTS.md quotes
-# them). One-row forward of a 307M-parameter encoder by input length, 16 vCPUs of an AMD EPYC
-# 9575F (its default thread count, taken as 16), ms:
-EPYC_9575F_16_THREADS_MS = {10: 6.7, 64: 14.6, 128: 21.9, 256: 34.5, 512: 62.0, 1024: 116.0,
-                            2048: 250.0}
-# 16-core Arm (Kunpeng), a 29-token request, ms at 1 and at 16 threads, quiet and loaded:
-KUNPENG_29_TOKENS_MS = {"quiet": {1: 96.2, 16: 85.0}, "loaded": {1: 87.7, 16: 157.0}}
-# "a ~1,200-token input is 2.4x faster at 16 threads than at 1" (16-32 core hosts):
-LONG_INPUT_TOKENS, LONG_INPUT_SPEEDUP_16 = 1200, 2.4
 
 # An idle-class shadow slows the served forwards beside it by ``1 + SHADOW_INTERFERENCE *
 # (cores it runs on) / cores``: measured once on this 2-vCPU host (FACTS / tuner/adaptive.py:
@@ -66,7 +55,7 @@ class TableError(ValueError):
 
 @dataclass(frozen=True)
 class ManyCore:
-    """How a team of more than 2 threads scales (fitted in ``fit_published``)."""
+    """How a team of more than 2 threads scales (fitted in ``sim_calibration.fit_published``)."""
 
     contention: float  # e(n) = n / (1 + contention * (n - 2)) beyond 2 threads
     sync_growth: float  # each thread past the second adds this many times ``overhead``
@@ -154,7 +143,7 @@ def _design(cells: Sequence[dict], serial: float,
     return x / y[:, None], np.ones_like(y)
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (drop the most negative, refit)."""
     keep = list(range(x.shape[1]))
     while True:
@@ -172,7 +161,7 @@ def _minimax(x: np.ndarray, y: np.ndarray, rounds: int = 40) -> np.ndarray:
     best, best_err = None, math.inf
     for _ in range(rounds):
         root = np.sqrt(w)[:, None]
-        coef = _nonnegative_lstsq(x * root, y * root[:, 0])
+        coef = nonnegative_lstsq(x * root, y * root[:, 0])
         err = np.abs(x @ coef - y)
         if err.max() < best_err:
             best, best_err = coef, float(err.max())
@@ -193,7 +182,7 @@ def fit_config(cells: Sequence[dict]) -> ConfigFit:
     for grain in GRAINS:
         for serial in SERIALS:
             x, y = _design(cells, serial, grain)
-            coef = _nonnegative_lstsq(x, y)
+            coef = nonnegative_lstsq(x, y)
             ranked.append((float(np.abs(x @ coef - y).max()), float(serial), grain))
     best = None
     for _, serial, grain in sorted(ranked)[:REFINED]:
@@ -224,60 +213,6 @@ def errors(fit: ConfigFit, cells: Iterable[dict]) -> list[tuple[dict, float]]:
             for c in cells if (c["backend"], c["precision"]) == (fit.backend, fit.precision)]
 
 
-# -- fitting the published many-core figures ----------------------------------------------------
-
-@dataclass(frozen=True)
-class PublishedFit:
-    """What the published figures say, dimensionless, and what they leave to assumption.
-
-    The EPYC length curve at 16 threads is fitted as ``a16 + b16 * L + c16 * L**2``. Two
-    speed-ups at 16 threads, ``t1 = o + W`` and ``t16 = a16 + W16(L)``, with ``W16 = p16 * W``
-    (the work's share left at 16 threads) and ``a16 = o * (1 + 15 * k)``: the Arm host's
-    quiet 29-token ratio (96.2 / 85.0) and the ~1,200-token 2.4x give ``p16`` and ``o``, so
-    ``k`` (per-thread sync as a share of the 1-thread overhead). Assumed: these ratios, from
-    different hosts and models, hold for one forward shape on any many-core host, and carry
-    over to all-MiniLM-L6-v2 as shares of its own measured overhead and work."""
-
-    a16_ms: float
-    b16_ms: float
-    c16_ms: float
-    p16: float  # (serial + (1 - serial) / e(16)): share of the 1-thread work left at 16
-    overhead_share: float  # o / a16
-    sync_growth: float  # k
-
-    def many_core(self, serial: float, grain: float = 0.0) -> ManyCore:
-        """The contention that leaves ``p16`` of the work at 16 threads on the published
-        long input (``LONG_INPUT_TOKENS`` in one row) for a config with the host-fitted
-        ``serial`` and ``grain``; at most 0.5, where e(n) stops growing (a config already
-        past ``p16`` there gains nothing from more threads)."""
-        g = grain / (grain + LONG_INPUT_TOKENS)
-        inv_e16 = ((self.p16 - serial) / (1 - serial) - g) / (1 - g)
-        if inv_e16 <= 0 or 1 / inv_e16 <= 2:
-            return ManyCore(0.5, self.sync_growth)
-        return ManyCore(min(0.5, max(0.0, (16 * inv_e16 - 1) / 14)), self.sync_growth)
-
-    def t16_ms(self, tokens: int) -> float:
-        return self.a16_ms + tokens * (self.b16_ms + tokens * self.c16_ms)
-
-
-def fit_published() -> PublishedFit:
-    lengths = np.asarray(list(EPYC_9575F_16_THREADS_MS), float)
-    ms = np.asarray(list(EPYC_9575F_16_THREADS_MS.values()), float)
-    x = np.stack([np.ones_like(lengths), lengths, lengths ** 2], 1) / ms[:, None]
-    a16, b16, c16 = _nonnegative_lstsq(x, np.ones_like(ms))
-    short = KUNPENG_29_TOKENS_MS["quiet"][1] / KUNPENG_29_TOKENS_MS["quiet"][16]
-
-    def w16(tokens: int) -> float:
-        return tokens * (b16 + tokens * c16)
-
-    t_short, t_long = a16 + w16(29), a16 + w16(LONG_INPUT_TOKENS)
-    # t1 = o + W16 / p16 at both lengths: subtract to get p16, then o
-    p16 = (w16(LONG_INPUT_TOKENS) - w16(29)) / (LONG_INPUT_SPEEDUP_16 * t_long - short * t_short)
-    o = short * t_short - w16(29) / p16
-    return PublishedFit(float(a16), float(b16), float(c16), float(p16), float(o / a16),
-                        float((a16 / o - 1) / 15))
-
-
 # -- cores shared among forwards ----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -299,43 +234,3 @@ def cores_share(cores: int, normal_threads: float, shadow_threads: float) -> Sha
     q_shadow = 1.0 if shadow_threads <= left else (left / shadow_threads if shadow_threads
                                                     else 1.0)
     return Shares(q / (1 + SHADOW_INTERFERENCE * used / cores), q_shadow, used)
-
-
-# -- the calibrated model ----------------------------------------------------------------------
-
-@cache
-def calibrated(backend: str = "onnxruntime", precision: str = "float32",
-               table: Path | str = TABLE) -> ConfigFit:
-    """The host-fitted model of one backend x precision (default: the default backend), with
-    the published many-core fit past 2 threads."""
-    fits = fit_table(load_table(table))
-    if (backend, precision) not in fits:
-        raise TableError(f"forward table {table} has no {backend} {precision} cells")
-    fit = fits[(backend, precision)]
-    return fit.with_many(fit_published().many_core(fit.serial, fit.grain_tokens))
-
-
-# A fixed reference for tests of the tuner on the simulated host, apart from the measured
-# table (which a quiet re-run changes): torch float32 fitted by ``fit_config`` to FACTS.md's
-# quiet Xeon table (best of 7, 1 and 2 threads, 1x8 ... 8x256; worst cell 6.9%), with the
-# published many-core fit. On 2 cores it gains 1.5x (1x8) to 1.8x (8x256) from 2 threads.
-REFERENCE = ConfigFit("torch", "float32", overhead_ms=5.2493, sync_ms=0.0, per_row_ms=0.0,
-                      per_token_ms=0.142433, per_token_length_ms=9.7404e-05, serial=0.1,
-                      overhead_serial=0.26232, grain_tokens=16.0,
-                      many=ManyCore(contention=0.30200, sync_growth=0.113754))
-
-
-@dataclass(frozen=True)
-class TimeModel:
-    """A host of ``cores`` cores running ``config`` (default: ``REFERENCE``; the measured
-    host's is ``calibrated()``)."""
-
-    cores: int
-    config: ConfigFit | None = None
-
-    def fit(self) -> ConfigFit:
-        return self.config or REFERENCE
-
-    def forward_ms(self, padded_tokens: int, num_threads: int, rows: int = 1) -> float:
-        """Quiet-host ms of ``rows`` x ``padded_tokens`` at ``num_threads``."""
-        return self.fit().quiet_ms(rows, padded_tokens, num_threads)

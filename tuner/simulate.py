@@ -46,6 +46,7 @@ import numpy as np
 from vllm_srun.tuner.adaptive import TunerSettings
 from vllm_srun.tuner.cores import grant
 from vllm_srun.tuner.modes import allowed_counts
+from vllm_srun.tuner.sim_calibration import REFERENCE, TimeModel, calibrated
 from vllm_srun.tuner.sim_host import (
     Arrival,
     CoresHook,
@@ -54,7 +55,7 @@ from vllm_srun.tuner.sim_host import (
     Outcome,
     SimulatedHost,
 )
-from vllm_srun.tuner.sim_model import REFERENCE, ConfigFit, TimeModel, calibrated
+from vllm_srun.tuner.sim_model import ConfigFit
 
 __all__ = ["Arrival", "ConfigFit", "Neighbour", "Noise", "Outcome", "SimulatedHost",
            "TimeModel", "calibrated", "herd", "many_core", "poisson_trace", "request_trace",
