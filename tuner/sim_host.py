@@ -12,8 +12,10 @@ Each worker's shadow loop is a thread of its own that runs only while the event 
 it (one thread runs at a time, so runs are deterministic): it calls ``tuner.step()`` until it
 returns False; a shadow forward (``shadow_forward``) registers its forward with the event loop
 and blocks until the virtual clock reaches its end. The tuner is driven through its public
-API only: ``startup``, ``served_threads``, ``observe``, ``step``, ``close`` and the callbacks it
-is constructed with (``clock``, ``shadow_forward``, ``pause_shadows``, ``free_cpu_s``).
+API only: ``startup``, ``served_threads``, ``observe``, ``step``, ``pending_shadows``,
+``close``, the ``explored`` counter, and the callbacks it is constructed with (``clock``,
+``shadow_forward``, ``pause_shadows``, ``free_cpu_s``); a real host record (a sweep's
+voucher covering every count and shape) is its record.
 
 Invariant: the virtual clock only moves in the event loop, while every shadow thread waits.
 """
