@@ -69,15 +69,29 @@ def make_process_idle() -> bool:
     """Put every thread of this process in ``SCHED_IDLE`` (those an import already started,
     such as a BLAS pool, too); threads made later inherit it from their creator."""
     ok = make_idle()
+    set_process_idle(True)
+    return ok
+
+
+def set_process_idle(idle: bool) -> bool:
+    """Every thread of this process to ``SCHED_IDLE`` (``idle``) or back to ``SCHED_OTHER``.
+    Leaving the idle class needs CAP_SYS_NICE or an RLIMIT_NICE above 0 (Linux); returns
+    False where a thread could not be moved."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
-        return ok
+        return False
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    ok = True
     for tid in tids:
         try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # it ended meanwhile
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:  # it ended meanwhile
             continue
+        except OSError:
+            ok = False
     return ok
 
 

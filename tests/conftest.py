@@ -6,6 +6,7 @@ so no test touches the real home directory.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -308,7 +309,8 @@ def start(backend, record, mode, configured, counts, settings=FAST, reference=Tr
     shadow_forward, close_shadows = idle_shadows(backend)
     tuner = AdaptiveThreads(mode, configured, counts, scope, record,
                             runner.engine.forward_batch, settings,
-                            shadow_forward=shadow_forward, on_close=close_shadows)
+                            shadow_forward=shadow_forward, on_close=close_shadows,
+                            paid_forward=functools.partial(shadow_forward, paid=True))
     runner.engine.threads = tuner
     runner.start(check=lambda: tuner.startup(
         golden_rows(runner.tokenizer),

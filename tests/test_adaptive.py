@@ -193,7 +193,7 @@ def budget_tuner(backends) -> tuple[AdaptiveThreads, list[float]]:
                           replace(FAST, background=False, budget_fraction=0.5))
     runner.stop()
     tuner.clock = lambda: now[0]
-    tuner._budget_at = 0.0
+    tuner.budget.restart(0.0)
     return tuner, now
 
 
@@ -202,7 +202,7 @@ def test_shadows_stay_within_their_time_budget(backends, tmp_path):
     batch = pad([row(30)])
     tuner.observe(batch, tuner.forward(batch, 1))
     now[0] = 1.0
-    tuner._shadow_s = 0.6  # as if shadows had used 0.6 s of the first second
+    tuner.budget.used_s = 0.6  # as if shadows had used 0.6 s of the first second
     assert not tuner.step() and tuner.comparisons == 0
     now[0] = 1.3
     assert tuner.step() and tuner.comparisons == 1

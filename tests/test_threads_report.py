@@ -13,9 +13,10 @@ import numpy as np
 from tests.conftest import run_cli
 from vllm_srun.records.host_record import Coverage, DriftEvent, HostRecord, Scope, Voucher
 from vllm_srun.server.frontend.progress import Progress, clock_text, eta_s
-from vllm_srun.tuner.adaptive import AdaptiveThreads, RangeLearning, TunerSettings
+from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
+from vllm_srun.tuner.estimator import choose, estimate
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.policy import learned_count, typical
+from vllm_srun.tuner.ranges import Phase, RangeLearning
 from vllm_srun.tuner.report import (
     DECISION_STATISTIC,
     ReportInput,
@@ -30,32 +31,38 @@ from vllm_srun.tuner.report import (
 SCOPE = Scope("test-host", "rev1", "onnxruntime")
 S = TunerSettings()
 # one count at 10 ms in a quiet quarter of its samples and 40 ms the rest (a neighbour came
-# and went), the other at 15 ms throughout: the lower quartile picks the first, the median
-# the second
+# and went), the other at 15 ms throughout: the median (the load the worker sees) picks the
+# second, where the lower quartile ("a quiet host") picked the first
 NOISY = [10.0] * 4 + [40.0] * 8
 STEADY = [15.0] * 12
+FAST = [10.0] * 12
 
 
 def report(mode=AdaptiveMode.LEARN, learned=None, serving=False, voucher=Voucher(0, 0, False),
            drift=None, locked=None, samples=None) -> dict:
-    r = RangeLearning(samples=samples if samples is not None else {1: STEADY, 2: NOISY},
-                      learned=learned, serving=serving, streak=S.window if serving else 0)
+    phase = Phase.EXPLORING if learned is None else Phase.SERVING if serving else \
+        Phase.VERIFYING if mode is AdaptiveMode.SERVE and learned != 1 else Phase.LEARNED
+    r = RangeLearning(phase, samples=samples if samples is not None else {1: STEADY, 2: FAST},
+                      learned=learned)
     return build(ReportInput(mode, 1, (1, 2), SCOPE, {32: r}, voucher, drift, locked,
-                             margin=S.margin, min_samples=S.min_samples))
+                             margin=S.margin, min_samples=S.min_samples,
+                             verified_passes={32: S.window if serving else 0}))
 
 
 def test_the_decision_statistic_is_named_and_is_the_one_the_decision_uses():
-    """The report names p25 and gives it per count beside median and p90; the learned count
-    follows it, not the median (which would keep 1 thread here)."""
-    rep = report(learned=learned_count({1: STEADY, 2: NOISY}, (1, 2), 1, S.min_samples,
-                                       S.margin))
+    """R4.13: the report names the median and gives it per count with its interval and the
+    p90; the learned count follows it: a count fast in a quiet quarter of its samples only
+    does not win."""
+    samples = {1: STEADY, 2: NOISY}
+    rep = report(learned=choose(samples, (1, 2), 1, S.min_samples, S.margin), samples=samples)
     (rng,) = rep["ranges"]
-    assert rep["decision_statistic"] == DECISION_STATISTIC == "p25_ms"
-    assert rng["counts"]["2"] == {"p25_ms": typical(NOISY), "median_ms": 40.0,
+    assert rep["decision_statistic"] == DECISION_STATISTIC == "median_ms"
+    e = estimate(NOISY)
+    assert rng["counts"]["2"] == {"median_ms": 40.0, "interval_ms": [e.low_ms, e.high_ms],
                                   "p90_ms": 40.0, "samples": 12}
-    assert rng["counts"]["1"]["p25_ms"] == typical(STEADY) == 15.0
-    assert rng["learned_threads"] == 2 and rng["speedup"] == 1.5
-    assert "p25/p50/p90/n" in table(rep) and "10.00/40.00/40.00/12" in table(rep)
+    assert rng["counts"]["1"]["median_ms"] == 15.0
+    assert rng["learned_threads"] == 1 and rng["speedup"] == 1.0
+    assert "median [90% interval]/p90/n" in table(rep) and "40.00 [" in table(rep)
 
 
 def test_states_and_recommendations():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_srun.runtime.errors import ConfigError
+from vllm_srun.tuner.estimator import changed, choose, counts_needing_samples, losing_counts
 from vllm_srun.tuner.modes import (
     ADAPTIVE_ENV,
     AdaptiveMode,
@@ -12,16 +13,7 @@ from vllm_srun.tuner.modes import (
     max_threads,
     parse_mode,
 )
-from vllm_srun.tuner.policy import (
-    clean_window,
-    counts_needing_samples,
-    learned_count,
-    likely_uninterrupted,
-    losing_counts,
-    moved,
-    preempted,
-    shadow_plan,
-)
+from vllm_srun.tuner.policy import clean_window, likely_uninterrupted, preempted, shadow_plan
 
 
 @pytest.mark.parametrize(("raw", "mode"), [(None, AdaptiveMode.OFF), ("", AdaptiveMode.OFF),
@@ -70,23 +62,23 @@ def test_max_threads_is_capped_by_the_budget():
 
 def test_no_count_is_learned_before_every_count_has_its_samples():
     samples = {1: [5.0] * 12, 2: [3.0] * 11}
-    assert learned_count(samples, (1, 2), 1, 12, 0.05) is None
+    assert choose(samples, (1, 2), 1, 12, 0.05) is None
     assert counts_needing_samples(samples, (1, 2), 12) == [2]
 
 
 def test_the_fastest_count_is_learned():
-    assert learned_count({1: [5.0] * 12, 2: [3.0] * 12}, (1, 2), 1, 12, 0.05) == 2
-    assert learned_count({1: [3.0] * 12, 2: [5.0] * 12}, (1, 2), 2, 12, 0.05) == 1
+    assert choose({1: [5.0] * 12, 2: [3.0] * 12}, (1, 2), 1, 12, 0.05) == 2
+    assert choose({1: [3.0] * 12, 2: [5.0] * 12}, (1, 2), 2, 12, 0.05) == 1
 
 
 def test_a_count_within_the_margin_does_not_displace_the_configured_one():
-    assert learned_count({1: [5.0] * 12, 2: [4.9] * 12}, (1, 2), 1, 12, 0.05) == 1
+    assert choose({1: [5.0] * 12, 2: [4.9] * 12}, (1, 2), 1, 12, 0.05) == 1
 
 
 def test_relearning_triggers_when_served_time_moves_either_way():
-    assert moved([3.0, 3.1, 2.9], 1.0, 1.5)
-    assert moved([0.5, 0.6], 1.0, 1.5)
-    assert not moved([1.2, 1.3, 1.1], 1.0, 1.5)
+    assert changed([3.0, 3.1, 2.9], 1.0, 1.5)
+    assert changed([0.5, 0.6], 1.0, 1.5)
+    assert not changed([1.2, 1.3, 1.1], 1.0, 1.5)
 
 
 def test_a_shadow_is_a_sample_only_if_no_served_forward_ran_during_it():
@@ -123,10 +115,10 @@ def test_a_timing_shadow_starts_only_if_the_next_served_forward_likely_leaves_it
 
 def test_counts_far_behind_after_their_first_samples_need_no_more():
     samples = {1: [10.0] * 3, 2: [6.0] * 3, 16: [40.0] * 3}
-    assert losing_counts(samples, (1, 2, 16), 3, 2.0) == {16}
+    assert losing_counts(samples, (1, 2, 16)) == {16}
     assert counts_needing_samples(samples, (1, 2, 16), 12) == [1, 2]
     full = {1: [10.0] * 12, 2: [6.0] * 12, 16: [40.0] * 3}
-    assert learned_count(full, (1, 2, 16), 1, 12, 0.05) == 2
+    assert choose(full, (1, 2, 16), 1, 12, 0.05) == 2
 
 
 def test_shadow_plan():

@@ -73,27 +73,30 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_srun.records.host_record import DriftEvent, HostRecord, HostRecordError, Scope, Voucher
+from vllm_srun.records.host_record import DriftEvent, HostRecord, HostRecordError, Scope
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
-from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.policy import (
-    clean_window,
+from vllm_srun.tuner.estimator import (
+    changed,
+    choose,
     counts_needing_samples,
-    learned_count,
-    likely_uninterrupted,
-    moved,
-    preempted,
-    shadow_plan,
+    served_cost_ms,
     typical,
 )
+from vllm_srun.tuner.ledger import ExactnessLedger, Refusal, first_difference, output_bits
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.policy import clean_window, likely_uninterrupted, preempted, shadow_plan
+from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, relearn, settle, wanted_count
 from vllm_srun.tuner.shadows import STOP_WAIT_S, ShadowLoop
+from vllm_srun.tuner.share import DEFAULT_SHARE, PaidShare, ShadowBudget
+
+__all__ = ["AdaptiveThreads", "RangeLearning", "TunerSettings", "output_bits"]
 
 log = logging.getLogger(__name__)
 
@@ -168,32 +171,14 @@ class TunerSettings:
     busy_window_s: float = 1.0  # the last this many seconds
     thaw_hold_s: float = 0.005  # a frozen shadow side stays so this long at most after a
     # served forward ends (twice the recent idle gaps): back-to-back forwards, one freeze
-
-
-@dataclass
-class RangeLearning:
-    samples: dict[int, list[float]] = field(default_factory=dict)  # count -> forward ms
-    per_token: dict[int, list[float]] = field(default_factory=dict)  # count -> ms per token
-    learned: int | None = None
-    streak: int = 0  # consecutive verified shadows at the learned count
-    serving: bool = False
-    relearning: bool = False
-    relearns: int = 0
-    keep_serving: int | None = None  # mode 2, relearning: the verified count served meanwhile
-    served_at_learned: int = 0
-    # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
-    baselines: dict[tuple[int, str], float] = field(default_factory=dict)
-    recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
-    explore_served: bool = False  # mode 2, vouched: its own served forwards time each count
-    # count -> served batches on which it and the configured count agreed (one served, the
-    # other a shadow): a learned count's transition window counts them from the start
-    verified: dict[int, int] = field(default_factory=dict)
-    contended_since: float | None = None  # serving a count below it under contention
-    # mode 2: counts that passed their transition window for this range in this worker,
-    # kept across relearning: relearnt, such a count serves at once (a drift would have
-    # retired learning; a host-wide slowdown relearnt a range at 16 connections and it served
-    # the configured count, 0.6x as fast, while it passed its window again)
-    passed: frozenset[int] = frozenset()
+    # R4.5 amended: where no idle CPU comes, learning takes at most this share of served
+    # forward time (``share.PaidShare``; ``--learning-share``)
+    learning_share: float = DEFAULT_SHARE
+    # ... for a due shadow (mode 2's window, or timing a count mode 1 lacks samples of) of a
+    # range that made no progress in this long: the gaps of Poisson traffic at half of
+    # capacity are tens of ms, so a second without one that lets it run is no idle CPU; short
+    # against the two minutes in which learning must complete (a guess, not swept)
+    starved_s: float = 1.0
 
 
 @dataclass
@@ -203,10 +188,6 @@ class _Job:
     served_threads: int
     counts: list[int]
     served_s: float  # how long the served forward took
-
-
-def output_bits(outputs: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(outputs, dtype=np.float32).view(np.uint32)
 
 
 class AdaptiveThreads:
@@ -221,10 +202,13 @@ class AdaptiveThreads:
                  on_close: Callable[[], None] | None = None,
                  worker: str | None = None,
                  pause_shadows: Callable[[bool], bool] | None = None,
-                 free_cpu_s: Callable[[], tuple[float, float] | None] | None = None) -> None:
+                 free_cpu_s: Callable[[], tuple[float, float] | None] | None = None,
+                 paid_forward: Forward | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.scope, self.record, self.forward = scope, record, forward
         self.shadow_forward = shadow_forward or forward
+        # a shadow the learning share pays for: the shadow side at normal priority
+        self.paid_forward = paid_forward or self.shadow_forward
         self.settings = settings or TunerSettings()
         self.clock = clock
         self.on_close = on_close
@@ -235,13 +219,11 @@ class AdaptiveThreads:
         # it was taken on ``clock`` (``FreeCpus.latest``: read off the served path), or None
         self.free_cpu_s = free_cpu_s
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
-        self.locked_reason: str | None = "golden check has not run"
+        self.ledger = ExactnessLedger(mode, configured, self.settings.window)
         self.record_error: str | None = None
         self.shadow_error: str | None = None
         self.shadow_faults = 0  # shadow forwards that failed (a ShadowProcess restarts)
         self.ranges: dict[int, RangeLearning] = {}
-        self.comparisons = 0
-        self.audits = 0  # verified shadows of forwards served at a learned count
         self.discarded = 0  # shadows whose time overlapped a served forward
         self.preempted = 0  # shadows whose threads waited for CPUs other tasks held
         self.uncovered = 0  # forwards kept at the configured count: the voucher lacks the shape
@@ -250,6 +232,11 @@ class AdaptiveThreads:
         # range -> older batches whose comparison would count toward mode 2's transition
         # window, newest last (``_backlog_job``): they run once the range's job is done
         self._backlog: dict[int, deque[_Job]] = {}
+        # range -> since when its due shadows that the learning share may pay for made no
+        # progress (``starved_s``)
+        self._starved_since: dict[int, float] = {}
+        self.paid = PaidShare(self.settings.learning_share)
+        self._shadow_paid = False  # the shadow running now is a paid one: never frozen
         self._busy = 0  # served forwards running now
         self._epoch = 0  # served forwards started plus ended
         self._shadowing = 0  # shadow forwards running now
@@ -294,6 +281,8 @@ class AdaptiveThreads:
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
         self.contended = 0  # mode 2: forwards served below the learned count under contention
         self.contention_probes = 0  # ... and at the learned count meanwhile, to see it end
+        # range -> since when it serves a count below its learned one under contention
+        self._contended_since: dict[int, float] = {}
         # count -> the last few served forwards' time over the range's time at that count
         # when learned (per token): how much slower each count runs on the host now
         self._slowdowns: dict[int, deque[tuple[float, float]]] = {}  # (when, slowdown)
@@ -309,29 +298,34 @@ class AdaptiveThreads:
         self._free_at: dict[int, float] = {}  # count -> when a window last left its cores free
         self._unseen_at = -1e9  # when a read followed a stretch no window covered (a pause)
         self.samples_cores_busy = 0  # served samples not kept: other tasks held their cores
-        # shadow time charged to ``budget_fraction``: a shadow's wall time less what it spent
-        # frozen (``_frozen_s``, ``_frozen_at``: SIGSTOP) or waiting for CPUs (its threads'
-        # run delay, per thread): a shadow frozen through a burst of load took no CPU, and
-        # charged its wall time, one held frozen through 16-connection bursts spent the
-        # budget for minutes (mode 2: 0-1 window passes per range in 2 minutes, 0.68x
-        # fixed 2 at 16 connections)
-        self._shadow_s = 0.0
+        # idle-class shadow time charged to ``budget_fraction``: a shadow's wall time less
+        # what it spent frozen (``_frozen_s``, ``_frozen_at``: SIGSTOP) or waiting for CPUs
+        # (its threads' run delay, per thread): a shadow frozen through a burst of load took
+        # no CPU, and charged its wall time, one held frozen through 16-connection bursts
+        # spent the budget for minutes (mode 2: 0-1 window passes per range in 2 minutes,
+        # 0.68x fixed 2 at 16 connections)
+        self.budget = ShadowBudget(self.settings.budget_fraction, self.settings.budget_window_s,
+                                   clock())
         self.shadow_wall_s = 0.0  # ... and what they took in wall time
         self._frozen_s, self._frozen_at = 0.0, None  # frozen so far; since when, if frozen
-        # the budget as a leaky bucket: shadow time allowed so far (``_shadow_s`` may not
-        # pass it), grown by ``budget_fraction`` of the time since ``_budget_at``, to at
-        # most ``budget_fraction * budget_window_s`` ahead of what shadows ran
-        self._budget_s, self._budget_at = 0.0, clock()
         self._last_flush = clock()
         self._dirty_samples: dict[tuple[int, int], list[float]] = {}
         self._dirty_learned: set[int] = set()
         self._unflushed_comparisons = 0
         self._loop: ShadowLoop | None = None
         self._record_watch: RecordWatch | None = None
-        self.retired: DriftEvent | None = None
-        self.retired_at: float | None = None  # time.time() this worker stopped learning
-        self.voucher = Voucher(0, 0, False)
         self._load()
+
+    # -- the ledger's state, as the report, the simulator and tests read it ---------------
+    locked_reason = property(lambda self: self.ledger.locked_reason,
+                             lambda self, v: setattr(self.ledger, "locked_reason", v))
+    voucher = property(lambda self: self.ledger.voucher,
+                       lambda self, v: setattr(self.ledger, "voucher", v))
+    retired = property(lambda self: self.ledger.retired)
+    retired_at = property(lambda self: self.ledger.retired_at)
+    comparisons = property(lambda self: self.ledger.comparisons)
+    audits = property(lambda self: self.ledger.audits)
+    _shadow_s = property(lambda self: self.budget.used_s)  # idle-class shadow time charged
 
     # -- the record ----------------------------------------------------------------------
     def _guard(self, what: str, fn: Callable[[], object]) -> object | None:
@@ -350,7 +344,9 @@ class AdaptiveThreads:
         record = self.record
         if record is None:
             return
-        self.retired = self._guard("read_drift", lambda: record.drift(self.scope))
+        event = self._guard("read_drift", lambda: record.drift(self.scope))
+        if event is not None:
+            self.ledger.retire(event)
         self.voucher = self._guard("read_voucher", lambda: record.voucher(self.scope)) or \
             self.voucher
 
@@ -360,7 +356,7 @@ class AdaptiveThreads:
         with self.lock:
             self._last_flush = self.clock()
             samples, self._dirty_samples = self._dirty_samples, {}
-            learned = {lo: (r.learned, self._speedup(r), r.streak)
+            learned = {lo: (r.learned, self._speedup(r), self.ledger.progress(lo, r.learned))
                        for lo in self._dirty_learned if (r := self.ranges[lo]).learned}
             self._dirty_learned = set()
             comparisons, self._unflushed_comparisons = self._unflushed_comparisons, 0
@@ -393,9 +389,9 @@ class AdaptiveThreads:
                 log.warning("threads_drift_seen_by_another worker=%s seen_by=%s rows=%d "
                             "padded_tokens=%d", self.worker, event.worker, event.rows,
                             event.padded_tokens)
-            elif not self.voucher.vouches:
-                for r in self.ranges.values():
-                    r.serving, r.keep_serving = False, None
+            else:  # a new sweep, or a reset: ranges start or stop serving at once
+                for lo, r in self.ranges.items():
+                    self._settle(lo, r)
 
     def close(self) -> None:
         with self.lock:
@@ -452,7 +448,7 @@ class AdaptiveThreads:
                 if n != self.configured:
                     self.forward(batches[0], n)
         self.locked_reason = None
-        self._budget_s, self._budget_at = 0.0, self.clock()
+        self.budget.restart(self.clock())
         if self.settings.background and self.retired is None:
             self._loop = ShadowLoop(self, batches[0])
             if self.pause_shadows is not None:
@@ -465,25 +461,27 @@ class AdaptiveThreads:
 
     # -- ThreadsPolicy ---------------------------------------------------------------------
     def served_threads(self, batch: TokenBatch) -> int:
-        """The count for a served forward about to start (it counts as running from now).
-        A forward of a range still exploring is a timing sample: the shadow side is frozen
-        (``pause_shadows``) while it runs, or else its time counts only if no shadow ran
-        beside it. Mode 2 with a voucher: such a range serves a count it lacks samples for,
-        in turn, where the voucher covers it (the same answer, R4.8)."""
+        """The count for a served forward about to start (it counts as running from now):
+        the count its range's state wants (``ranges.wanted_count``), where the exactness
+        ledger admits it for this forward's shape (``ExactnessLedger.may_serve``, the only
+        gate), else the configured count. A forward of a range still exploring is a timing
+        sample: the shadow side is frozen (``pause_shadows``) while it runs, or else its
+        time counts only if no shadow ran beside it. Mode 2 with a voucher: such a range
+        serves a count it lacks samples for, in turn (vouched exploration, R4.8)."""
         with self.lock:
             if not self._busy:
                 self._gaps.append(self.clock() - self._idle_since)
             self._busy += 1
             self._epoch += 1
             lo = size_range(batch.padded_tokens)[0]
-            n = self._serving_count(lo)
             r = self.ranges.get(lo)
+            learning = self.ledger.learning
+            wanted = n = wanted_count(r, self.configured) if learning else self.configured
             contention = None
-            if r is not None and r.serving and n == r.learned:
+            if learning and r is not None and r.serving and n == r.learned:
                 n, contention = self._under_contention(lo, r)
                 r = self.ranges[lo]
-            exploring = r is not None and r.learned is None and self.locked_reason is None \
-                and self.retired is None
+            exploring = learning and r is not None and r.exploring
             if exploring and self.mode is AdaptiveMode.SERVE and self.voucher.vouches:
                 if not r.explore_served:  # vouched: time each count on served forwards
                     r.explore_served = True
@@ -491,40 +489,47 @@ class AdaptiveThreads:
                 now = self.clock()  # a count whose cores other tasks hold waits
                 n = self._explore_count(r, n, [k for k in self._need(r)
                                                if not self._cores_busy(now, k)])
-            if n != self.configured and not self.voucher.covers(
-                    batch.rows, int(batch.input_ids.shape[1]), n, self.configured):
-                self.uncovered += 1  # R4.8: only counts and shapes a voucher covers
+            # vouched exploration and a contention fallback need the voucher, not a window
+            verdict = self.ledger.may_serve(lo, n, batch.rows, int(batch.input_ids.shape[1]),
+                                            explore=n != wanted)
+            if not verdict.allowed:
+                self.uncovered += verdict.refusal is Refusal.UNCOVERED  # R4.8: the shape
                 n = self.configured
             elif contention == "fallback":
                 self.contended += 1
             elif contention == "probe":
                 self.contention_probes += 1
-            elif n != self._serving_count(lo):
+            elif n != wanted:
                 self.explored += 1
-            # a shadow running while a timed forward runs, or a timing shadow that waited
-            # for a gap on cores this forward needs (their sum over the budget): freeze the
-            # shadow side. An idle-class shadow sharing its cores made served forwards 1.5x
-            # slower here, one beside them not at all. Comparisons are not frozen for served
-            # forwards that are not timed: under back-to-back load they would never end, and
-            # mode 2 needs them. With no shadow running there is nothing to freeze (a freeze
-            # wakes each of the child's sleeping threads to stop it, and again to thaw it)
-            # and no shadow starts until this forward ends
-            sharing = self._shadowing and self._shadow_gated and \
-                self._shadow_threads + n > max(self.counts)
-            sampling = r is None or exploring  # it is a sample
-            want = self.pause_shadows is not None and self._shadowing and (
-                sampling or sharing)
-            if self._held:  # still frozen since the last forward: no signal either way
-                self._held = False
-                frozen = bool(want) or self.pause_shadows(False)
-            else:
-                frozen = want and self.pause_shadows(True)
-            if frozen:
-                self._paused += 1
-                self.frozen_beside += sharing
-            self._timed[id(batch)] = (frozen, frozen or not self._shadowing,
-                                      self._shadow_epoch, contention, sampling)
+            self._timed[id(batch)] = self._freeze_for(n, sampling=r is None or exploring,
+                                                      contention=contention)
             return n
+
+    def _freeze_for(self, n: int, sampling: bool, contention: str | None
+                    ) -> tuple[bool, bool, int, str | None, bool]:
+        """Freeze the shadow side for a served forward at ``n`` about to start, if a shadow
+        runs and this forward is timed (``sampling``), or a timing shadow that waited for a
+        gap runs on cores this forward needs (their sum over the budget): an idle-class
+        shadow sharing its cores made served forwards 1.5x slower here, one beside them not
+        at all. Comparisons are not frozen for served forwards that are not timed: under
+        back-to-back load they would never end, and mode 2 needs them; nor is a paid shadow
+        (the learning share pays for it to run beside served forwards). With no shadow
+        running there is nothing to freeze (a freeze wakes each of the child's sleeping
+        threads to stop it, and again to thaw it). Returns what ``observe`` reads back."""
+        sharing = self._shadowing and self._shadow_gated and \
+            self._shadow_threads + n > max(self.counts)
+        want = self.pause_shadows is not None and self._shadowing and \
+            not self._shadow_paid and (sampling or sharing)
+        if self._held:  # still frozen since the last forward: no signal either way
+            self._held = False
+            frozen = bool(want) or self.pause_shadows(False)
+        else:
+            frozen = want and self.pause_shadows(True)
+        if frozen:
+            self._paused += 1
+            self.frozen_beside += sharing
+        return (frozen, frozen or not self._shadowing, self._shadow_epoch, contention,
+                sampling)
 
     def _pause(self, frozen: bool) -> bool:
         """``pause_shadows``, keeping the time the shadow side spent frozen."""
@@ -597,7 +602,8 @@ class AdaptiveThreads:
         rate = self._free_cores(now) if self.free_cpu_s is not None else None
         # once contended with free cores to read, only they end it: L runs no forward
         # meanwhile, and its slow times would only age out
-        held = r.contended_since is not None and self._free_ok
+        since = self._contended_since.get(lo)
+        held = since is not None and self._free_ok
         slowed, at_big = self._slowdown(big), r.baselines.get((big, "shadow"))
         below = [(base * self._slowdown(n), n) for n in self.counts if n < big
                  and (base := r.baselines.get((n, "shadow"))) is not None
@@ -606,33 +612,31 @@ class AdaptiveThreads:
                 slowed < s.contention_slowdown or (
                     rate is None
                     and at_big * slowed <= min(below)[0] * (1 + s.contention_margin))):
-            r.contended_since = None
+            self._contended_since.pop(lo, None)
             return big, None
         small = self._fits(below, rate) if rate is not None else min(below)[1]
-        if r.contended_since is None and self.free_cpu_s is not None and \
+        if since is None and self.free_cpu_s is not None and \
                 self._cores_free(now, big):
             self.slow_cores_free += 1  # slow, but no other task holds its cores: the load
             return big, None
-        if r.contended_since is None:
-            r.contended_since = now
+        if since is None:
+            self._contended_since[lo] = now
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
                      2 * lo - 1, small, slowed)
-        elif now - max(r.contended_since, self._held_since(big)) > s.contention_relearn_s:
+        elif now - max(since, self._held_since(big)) > s.contention_relearn_s:
             # contended all along: since it began, no window left the cores free (a range
             # served every few seconds saw a neighbour 2 s of every 4 and relearned 6-9 times
             # in 9 minutes on the simulator, measuring from its own first contended forward),
             # and windows covered all of it (a pause in traffic is no sign: on the real host
             # the first forward after 10 s without traffic relearned, ``contended_s=13``)
             log.info("threads_relearn range=%d-%d contended_s=%.0f", lo, 2 * lo - 1,
-                     now - r.contended_since)
-            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
-                                            passed=r.passed)
-            self._forget_jobs(lo)
+                     now - since)
+            self._relearn(lo, r, None)
             return self.configured, None
-        freed = self._freed(now, r)
+        freed = self._freed(now, big, since)
         if freed:  # the slow times at ``big`` were the neighbour's: forget them
             self._slowdowns.pop(big, None)
-            r.contended_since = None
+            self._contended_since.pop(lo, None)
             self.contention_freed += 1
             log.info("threads_contention_over range=%d-%d serving=%d", lo, 2 * lo - 1, big)
             return big, None
@@ -670,7 +674,7 @@ class AdaptiveThreads:
             return False
         return rate is not None and rate[0] > n - self.settings.contention_held_min
 
-    def _freed(self, now: float, r: RangeLearning) -> bool | None:
+    def _freed(self, now: float, learned: int, since: float | None) -> bool | None:
         """Contention is over: over a whole window begun after the fallback began, other
         tasks held at most ``contention_held_end`` of the learned count's cores (under
         ``contention_held_min``, which starts it). None where the free cores cannot be read
@@ -679,8 +683,8 @@ class AdaptiveThreads:
         if rate is None:
             return None if not self._free_ok else False
         cores, began = rate
-        return began >= r.contended_since and \
-            cores >= r.learned - self.settings.contention_held_end
+        return since is not None and began >= since and \
+            cores >= learned - self.settings.contention_held_end
 
     def _free_cores(self, now: float) -> tuple[float, float] | None:
         """The cores other tasks left this worker over the last whole window of at least
@@ -761,14 +765,6 @@ class AdaptiveThreads:
         return min(need, key=lambda n: (len(r.samples.get(n, ())),
                                         abs(n.bit_length() - serving.bit_length()), n))
 
-    def _serving_count(self, lo: int) -> int:
-        r = self.ranges.get(lo)
-        if r is None or self.retired is not None or self.locked_reason is not None:
-            return self.configured
-        if r.serving:
-            return r.learned
-        return r.keep_serving or self.configured
-
     def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
         """A served forward ended (``None``: it failed)."""
         with self.lock:
@@ -781,6 +777,7 @@ class AdaptiveThreads:
                 self._last_served = result.num_threads
                 self._served_log.append((now, result.forward_s))
                 self._served_sum += result.forward_s
+                self.paid.accrue(result.forward_s)
             busy = self._busy_share(now)  # (and it forgets what left the window)
             timed = self._timed.pop(id(batch), (False, False, -1, None, False))
             if timed[0]:
@@ -800,9 +797,7 @@ class AdaptiveThreads:
                 if (base := r.baselines.get((result.num_threads, "shadow"))) is not None:
                     self._note_slowdown(result.num_threads, per_token / base,
                                         timed[3] == "probe")
-                verifying = self.mode is AdaptiveMode.SERVE and not r.serving and \
-                    r.learned != self.configured
-                if timed[3] is None and not verifying and not (
+                if timed[3] is None and r.phase is not Phase.VERIFYING and not (
                         r.serving and result.num_threads == r.learned > min(self.counts)):
                     # a served count that contention can fall back from relearns by
                     # ``contention_relearn_s`` instead (a brief neighbour: no relearning);
@@ -822,14 +817,10 @@ class AdaptiveThreads:
                     self._sample(lo, r, result.num_threads, result.forward_s * 1000,
                                  batch.padded_tokens)
                     r = self.ranges[lo]
-                    if r.learned is not None:
-                        self._maybe_serve(lo, r)
-            need = self._need(r) if r.learned is None else []
+            need = self._need(r) if r.exploring else []
             if r.learned is not None:
                 r.served_at_learned += 1
-            window_due = (self.mode is AdaptiveMode.SERVE and not r.serving
-                          and r.learned not in (None, self.configured)
-                          and self.voucher.covers_counts(r.learned, self.configured))
+            window_due = self.ledger.window_due(lo, r.learned)
             counts = shadow_plan(need, window_due, r.learned, result.num_threads,
                                  self.counts, r.served_at_learned, s.audit_every)
             if r.learned is None and result.num_threads != self.configured:
@@ -843,30 +834,32 @@ class AdaptiveThreads:
                 if (old := self._jobs.pop(lo, None)) is not None:
                     self._backlog_job(lo, r, old, job)
                 self._jobs[lo] = job
+                if any(self._payable(lo, job, n) for n in counts):
+                    self._starved_since.setdefault(lo, now)
                 self._waiting_gap = False
                 self.lock.notify_all()
 
     def shadow_budget_s(self) -> float:
-        """Shadow time allowed so far (``_shadow_s``, what shadows ran, may not pass it):
-        ``budget_fraction`` of the time since learning began, but never more than
-        ``budget_fraction * budget_window_s`` ahead of what shadows ran (idle time is
-        banked up to that much only)."""
+        """Idle-class shadow time allowed so far (``share.ShadowBudget``: what shadows ran
+        may not pass it)."""
         with self.lock:
-            s, now = self.settings, self.clock()
-            self._budget_s = min(self._budget_s + s.budget_fraction * (now - self._budget_at),
-                                 self._shadow_s + s.budget_fraction * s.budget_window_s)
-            self._budget_at = now
-            return self._budget_s
+            return self.budget.allowed_s(self.clock())
 
-    def _toward_window(self, r: RangeLearning, job: _Job) -> bool:
-        """Mode 2, vouched, a range not serving a learned count: ``job``'s one comparison
-        would count toward its transition window (R4.6): the learned count on a batch served
-        at the configured one, or the configured count auditing a batch exploring served at
-        another (passes made while exploring count once it is learned)."""
-        return (self.mode is AdaptiveMode.SERVE and self.voucher.vouches and not r.serving
-                and len(job.counts) == 1
-                and (r.learned is not None or job.served_threads != self.configured)
-                and (job.counts[0] == self.configured) != (job.served_threads == self.configured))
+    def _toward_window(self, lo: int, job: _Job) -> bool:
+        """``job``'s one comparison would count toward a transition window still open
+        (``ExactnessLedger.toward_window``)."""
+        r = self.ranges.get(lo)
+        return len(job.counts) == 1 and r is not None and self.ledger.toward_window(
+            lo, job.served_threads, job.counts[0], r.learned)
+
+    def _payable(self, lo: int, job: _Job, count: int) -> bool:
+        """A shadow the learning share may pay for: it times a count its exploring range
+        lacks samples of, or compares toward a transition window still open (R4.5 amended;
+        not audits of what a range serves, nor probes)."""
+        r = self.ranges.get(lo)
+        return r is not None and ((r.exploring and count in self._need(r)) or
+                                  self.ledger.toward_window(lo, job.served_threads, count,
+                                                            r.learned))
 
     def _backlog_job(self, lo: int, r: RangeLearning, old: _Job, new: _Job) -> None:
         """A newer batch of range ``lo`` replaced ``old`` before its shadows ran. Where both
@@ -876,7 +869,7 @@ class AdaptiveThreads:
         lull, and ranges that 16 connections reached passed their window only after a
         minute or more, serving the configured count meanwhile (0.88x fixed 2 in the first
         10 s of 16 connections after learning, the real host). Else it is dropped."""
-        if not (self._toward_window(r, old) and self._toward_window(r, new)):
+        if not (self._toward_window(lo, old) and self._toward_window(lo, new)):
             self.replaced += 1
             return
         backlog = self._backlog.setdefault(lo, deque(maxlen=self.settings.window))
@@ -887,6 +880,7 @@ class AdaptiveThreads:
         """Range ``lo`` explores again: its due shadows and backlog go."""
         self._jobs.pop(lo, None)
         self._backlog.pop(lo, None)
+        self._starved_since.pop(lo, None)
 
     def _next_from_backlog(self, lo: int) -> None:
         """Range ``lo`` has no job: its newest backlogged batch that still counts toward its
@@ -894,7 +888,7 @@ class AdaptiveThreads:
         backlog, r = self._backlog.get(lo), self.ranges.get(lo)
         while backlog:
             job = backlog.pop()
-            if job.counts and r is not None and self._toward_window(r, job):
+            if job.counts and r is not None and self._toward_window(lo, job):
                 self._jobs[lo] = job  # (a job that ran as it was backlogged has no count)
                 return
         self._backlog.pop(lo, None)
@@ -906,23 +900,25 @@ class AdaptiveThreads:
 
     def step(self) -> bool:
         """Run one due shadow forward on the calling thread (the shadow loop, or a test).
-        False when none may start now: nothing due, a served forward running, or over the
-        time budget."""
+        An idle-class one starts only while no served forward runs and within its budget
+        (``_next_shadow``); else a starved one the learning share affords runs paid
+        (``_paid_shadow``). False when none may start now."""
         with self.lock:
-            if self.locked_reason is not None or self.retired is not None or not self._jobs \
-                    or self._busy or self._shadow_s > self.shadow_budget_s():
+            if not self.ledger.learning or not self._jobs:
                 return False
-            due = self._next_shadow()
+            now = self.clock()
+            due = None if self._busy or self.budget.over(now) else self._next_shadow()
             self._waiting_gap = due is None
+            paid = due is None and (due := self._paid_shadow(now)) is not None
             if due is None:
                 return False
             lo, job, count, sharing = due
             epoch = self._epoch
-            self._shadow_gated = sharing
+            self._shadow_gated, self._shadow_paid = sharing, paid
             began = self.clock()
             frozen_before = self._frozen_total(began)
         try:
-            result = self.run_shadow(job.batch, count)
+            result = self.run_shadow(job.batch, count, paid)
         except RuntimeFault:
             # the shadow side failed (the loop counts it and backs off): not this batch
             # again, the range's next served batch brings its counts
@@ -930,13 +926,19 @@ class AdaptiveThreads:
                 if self._jobs.get(lo) is job:
                     del self._jobs[lo]
             raise
+        finally:
+            with self.lock:
+                self._shadow_paid = False
         with self.lock:
             now = self.clock()
             wall = now - began
-            waited = (result.waited_s or 0.0) / max(1, count)
             self.shadow_wall_s += wall
-            self.shadow_budget_s()  # banked up to now, before the charge
-            self._shadow_s += max(0.0, wall - (self._frozen_total(now) - frozen_before) - waited)
+            if paid:  # timed beside served forwards: its cost to one (``served_cost_ms``)
+                self.paid.charge(wall)
+                self._after_shadow(lo, job, count, result, clean=True, paid=True)
+                return True
+            waited = (result.waited_s or 0.0) / max(1, count)
+            self.budget.charge(wall - (self._frozen_total(now) - frozen_before) - waited, now)
             clean, before = clean_window(0, epoch, self._epoch), self.preempted
             if not clean:
                 self.discarded += 1
@@ -944,28 +946,59 @@ class AdaptiveThreads:
                 self.preempted += 1
                 clean = False
             if sharing:
-                now = self.clock()
-                quiet_s = self._quiet(now)
-                self._quiet_s = quiet_s / 2 if clean else min(
-                    self.settings.quiet_max_s, max(2 * quiet_s, 0.002))
-                self._quiet_since = now
-                if self.preempted != before:  # other tasks held its CPUs: back off in time
-                    # at once where one held a CPU for most of the shadow's length (a
-                    # CPU-bound task: a neighbour, another busy server)
-                    hog = (result.waited_s or 0.0) >= self.settings.held_hog * result.forward_s
-                    self._held_run = max(self._held_run + 1,
-                                         self.settings.held_streak if hog else 0)
-                    if (more := self._held_run - self.settings.held_streak) >= 0:
-                        self._sharing_after = now + min(self.settings.held_backoff_max_s,
-                                                        0.1 * 2 ** min(more, 16))
-                elif clean:
-                    self._held_run = 0
+                self._after_sharing(result, clean, self.preempted != before)
             # a preempted one is not run again on this batch, unless it shares cores with
             # served forwards: then ``_quiet_s`` and the backoff space its tries out (the load
             # may be over; idle time alone does not: a worker with no traffic is always idle)
             self._after_shadow(lo, job, count, result, clean,
                                retry=sharing or self.preempted == before)
         return True
+
+    def _paid_shadow(self, now: float) -> tuple[int, _Job, int, bool] | None:
+        """The first due shadow, ranges oldest first, that the learning share may pay for
+        now: its range made no progress for ``starved_s`` (no idle CPU let one run), it is
+        payable (``_payable``), the share affords its expected cost, and no timed served
+        forward holds the shadow side frozen (it would run nothing)."""
+        if self._paused:
+            return None
+        for lo, job in self._jobs.items():
+            since = self._starved_since.get(lo)
+            if since is None or now - since < self.settings.starved_s:
+                continue
+            for count in job.counts:
+                if self._payable(lo, job, count) and \
+                        self.paid.affords(self._expected_s(lo, job, count)):
+                    if self._held:  # frozen since the last forward: a paid one runs
+                        self._held = False
+                        self.pause_shadows(False)
+                    return lo, job, count, False
+        return None
+
+    def _expected_s(self, lo: int, job: _Job, count: int) -> float:
+        """How long a shadow of ``job`` at ``count`` will likely take: the count's samples in
+        its range, else the served forward's time scaled by the counts' ratio."""
+        r = self.ranges.get(lo)
+        known = r.samples.get(count) if r is not None else None
+        return typical(known) / 1000 if known else job.served_s * job.served_threads / count
+
+    def _after_sharing(self, result: ForwardResult, clean: bool, held_up: bool) -> None:
+        """A shadow that shared cores with served forwards ended: the idle time the next
+        waits for halves if it was clean, else doubles; after several in a row that other
+        tasks held up (``held_streak``, or one that a CPU-bound task held for most of its
+        length: ``held_hog``), the next waits a backoff."""
+        now = self.clock()
+        quiet_s = self._quiet(now)
+        self._quiet_s = quiet_s / 2 if clean else min(
+            self.settings.quiet_max_s, max(2 * quiet_s, 0.002))
+        self._quiet_since = now
+        if held_up:  # other tasks held its CPUs: back off in time
+            hog = (result.waited_s or 0.0) >= self.settings.held_hog * result.forward_s
+            self._held_run = max(self._held_run + 1, self.settings.held_streak if hog else 0)
+            if (more := self._held_run - self.settings.held_streak) >= 0:
+                self._sharing_after = now + min(self.settings.held_backoff_max_s,
+                                                0.1 * 2 ** min(more, 16))
+        elif clean:
+            self._held_run = 0
 
     def _next_shadow(self) -> tuple[int, _Job, int, bool] | None:
         """The first due shadow, ranges oldest first, that may start now, and whether it
@@ -1038,51 +1071,51 @@ class AdaptiveThreads:
         return (self._served_sum - max(0.0, first - (end - since))) / \
             self.settings.busy_window_s
 
-    def run_shadow(self, batch: TokenBatch, count: int) -> ForwardResult:
-        """One shadow forward (a due one, or a warm-up), counted as running meanwhile."""
+    def run_shadow(self, batch: TokenBatch, count: int, paid: bool = False) -> ForwardResult:
+        """One shadow forward (a due one, or a warm-up), counted as running meanwhile;
+        ``paid``: on the shadow side at normal priority (``paid_forward``)."""
         with self.lock:
             self._shadowing += 1
             self._shadow_epoch += 1
             self._shadow_threads = count
         try:
-            return self.shadow_forward(batch, count)
+            return (self.paid_forward if paid else self.shadow_forward)(batch, count)
         finally:
             with self.lock:
                 self._shadowing -= 1
                 self._shadow_epoch += 1
 
     def _after_shadow(self, lo: int, job: _Job, count: int, result: ForwardResult,
-                      clean: bool, retry: bool = True) -> None:
-        if self.retired is not None:
+                      clean: bool, retry: bool = True, paid: bool = False) -> None:
+        """A shadow ended: the ledger compares it with the served answer (a difference is
+        drift); a clean one is a sample (what it would cost a served forward:
+        ``estimator.served_cost_ms``); the range's state moves on."""
+        if not self.ledger.learning:
             return
-        if not np.array_equal(output_bits(result.outputs), output_bits(job.outputs)):
-            self._drift(job, count, result)
+        if (at := first_difference(job.outputs, result.outputs)) is not None:
+            self._drift(job, count, result, at)
             return
-        self.comparisons += 1
+        self.ledger.agree(lo, job.served_threads, count)
         self._unflushed_comparisons += 1
-        if job.served_threads != self.configured:
-            self.audits += 1
         r = self.ranges.setdefault(lo, RangeLearning())
+        progress = self.ledger.toward_window(lo, job.served_threads, count, r.learned)
         if clean:
-            self._sample(lo, r, count, result.forward_s * 1000, job.batch.padded_tokens)
+            progress |= r.exploring and count in self._need(r)
+            self._sample(lo, r, count, served_cost_ms(result.forward_s, result.waited_s, count),
+                         job.batch.padded_tokens)
+        if progress or paid:  # the share pays again only after ``starved_s`` more
+            self._starved_since.pop(lo, None)
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)
-        if retry and r.learned is None and count in self._need(r):
+        if retry and r.exploring and count in self._need(r):
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
             # (if not ``retry``, after it waited for CPUs other tasks held: they likely
             # still do; the range's next served batch brings the count again)
         if not job.counts and self._jobs.get(lo) is job:
             del self._jobs[lo]
-        pair = {count, job.served_threads}
-        if len(pair) == 2 and self.configured in pair:  # served at one, shadowed at the other
-            other = (pair - {self.configured}).pop()
-            r.verified[other] = r.verified.get(other, 0) + 1
-        if (count == r.learned != job.served_threads
-                or job.served_threads == r.learned != self.configured == count):
-            r.streak += 1  # served at one, shadowed at the other: they agreed
-            self._dirty_learned.add(lo)
-        self._maybe_serve(lo, r)
+        self._dirty_learned.add(lo)
+        self._settle(lo, r)
         if lo not in self._jobs and lo in self._backlog:
             self._next_from_backlog(lo)
 
@@ -1097,37 +1130,38 @@ class AdaptiveThreads:
             kept.append(value)
             del kept[:-keep]
         self._dirty_samples.setdefault((lo, count), []).append(ms)
-        if r.learned is None:
+        if r.exploring:
             self._update(lo, r)
         else:
             self._watch(lo, r, (count, "shadow"), ms / tokens, self.settings.probe_window)
 
     def _update(self, lo: int, r: RangeLearning) -> None:
+        """An exploring range took a sample: learn a count once the estimator chooses one
+        (``estimator.choose``)."""
         s = self.settings
-        new = learned_count(r.samples, self.counts, self.configured, s.min_samples, s.margin)
+        new = choose(r.samples, self.counts, self.configured, s.min_samples, s.margin)
         if new is None:
             return
-        r.learned, r.serving, r.relearning = new, False, False
-        r.streak = r.verified.get(new, 0)  # passes it already made while the range explored
-        if new == r.keep_serving or new in r.passed:  # relearnt a count verified already
-            r.serving = self.voucher.covers_counts(new, self.configured)
-        if new == self.configured or r.serving or self.mode is not AdaptiveMode.SERVE:
-            r.keep_serving = None
+        learn(r, new, self.configured, self.mode is AdaptiveMode.SERVE,
+              self.ledger.may_serve_range(lo, new))
         r.baselines = {(n, "shadow"): typical(v) for n, v in r.per_token.items()}
         r.recent = {}
         self._dirty_learned.add(lo)
         log.info("threads_learned range=%d-%d num_threads=%d speedup=%.3f", lo, 2 * lo - 1,
                  new, self._speedup(r))
+        if r.serving:
+            self._serving(lo, r)
 
-    def _maybe_serve(self, lo: int, r: RangeLearning) -> None:
-        if (self.mode is AdaptiveMode.SERVE and not r.serving and self.retired is None
-                and r.learned not in (None, self.configured)
-                and r.streak >= self.settings.window
-                and self.voucher.covers_counts(r.learned, self.configured)):
-            r.serving, r.keep_serving, r.passed = True, None, r.passed | {r.learned}
-            self._backlog.pop(lo, None)
-            log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
-                     lo, 2 * lo - 1, r.learned, r.streak)
+    def _settle(self, lo: int, r: RangeLearning) -> None:
+        """Mode 2: the range starts serving its learned count once the ledger admits it (its
+        window passed, vouched), and stops while it does not (the voucher withdrawn)."""
+        if r.learned is not None and settle(r, self.ledger.may_serve_range(lo, r.learned)):
+            self._serving(lo, r)
+
+    def _serving(self, lo: int, r: RangeLearning) -> None:
+        self._backlog.pop(lo, None)
+        log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
+                 lo, 2 * lo - 1, r.learned, self.ledger.progress(lo, r.learned))
 
     def _speedup(self, r: RangeLearning) -> float:
         a, b = r.samples.get(self.configured), r.samples.get(r.learned or self.configured)
@@ -1135,11 +1169,12 @@ class AdaptiveThreads:
 
     def _watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
                window: int) -> None:
-        """R4.11: forwards at one count against forwards at that same count when the range
-        was learned, like against like: probe shadows (clean, SCHED_IDLE) against the samples
-        it was learned from; served forwards against the first ``window`` served after it
-        was learned. A learned count far faster than the configured one never triggers it;
-        a neighbour that arrives slows the served count, one that leaves speeds up a probe."""
+        """R4.11, the change detector (``estimator.changed``): forwards at one count against
+        forwards at that same count when the range was learned, like against like: probe
+        shadows (clean, SCHED_IDLE) against the samples it was learned from; served forwards
+        against the first ``window`` served after it was learned. A learned count far faster
+        than the configured one never triggers it; a neighbour that arrives slows the served
+        count, one that leaves speeds up a probe."""
         recent = r.recent.setdefault(key, [])
         recent.append(per_token_ms)
         if len(recent) < window:
@@ -1147,19 +1182,20 @@ class AdaptiveThreads:
         r.recent[key] = []
         baseline = r.baselines.get(key)
         if baseline is None:
-            r.baselines[key] = float(np.median(recent))
+            r.baselines[key] = typical(recent)
             return
-        if moved(recent, baseline, self.settings.relearn_factor):
+        if changed(recent, baseline, self.settings.relearn_factor):
             log.info("threads_relearn range=%d-%d num_threads=%d forwards=%s ratio=%.2f",
-                     lo, 2 * lo - 1, key[0], key[1], float(np.median(recent)) / baseline)
-            keep = r.learned if r.serving and key[1] == "shadow" else None  # not if it slowed
-            self.ranges[lo] = RangeLearning(relearning=True, relearns=r.relearns + 1,
-                                            keep_serving=keep, passed=r.passed)
-            self._forget_jobs(lo)
+                     lo, 2 * lo - 1, key[0], key[1], typical(recent) / baseline)
+            # a probe moved: the verified count serves on meanwhile; not if it slowed
+            self._relearn(lo, r, r.learned if r.serving and key[1] == "shadow" else None)
 
-    def _drift(self, job: _Job, count: int, result: ForwardResult) -> None:
-        at = tuple(int(i) for i in np.argwhere(
-            output_bits(result.outputs) != output_bits(job.outputs))[0])
+    def _relearn(self, lo: int, r: RangeLearning, keep_serving: int | None) -> None:
+        self.ranges[lo] = relearn(r, keep_serving)
+        self._contended_since.pop(lo, None)
+        self._forget_jobs(lo)
+
+    def _drift(self, job: _Job, count: int, result: ForwardResult, at: tuple[int, ...]) -> None:
         event = DriftEvent(job.batch.padded_tokens, job.served_threads, count, at,
                            float(job.outputs[at]), float(result.outputs[at]), time.time(),
                            job.batch.rows, self.worker)
@@ -1173,12 +1209,11 @@ class AdaptiveThreads:
         self._guard("write_voucher", lambda: record.add_voucher(self.scope, "traffic", 1, 1))
 
     def _retire(self, event: DriftEvent) -> None:
-        """Learning ends for good (R4.7): every range serves the configured count."""
-        self.retired, self.retired_at = event, time.time()
-        for r in self.ranges.values():
-            r.serving, r.keep_serving = False, None
+        """Learning ends for good (R4.7): the ledger admits only the configured count."""
+        self.ledger.retire(event)
         self._jobs.clear()
         self._backlog.clear()
+        self._starved_since.clear()
 
 
 class Thawer:

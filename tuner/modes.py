@@ -11,6 +11,10 @@ from vllm_srun.runtime.errors import ConfigError
 
 ADAPTIVE_ENV = "VLLM_SRUN_CPU_ADAPTIVE_THREADS"
 MAX_THREADS_ENV = "VLLM_SRUN_CPU_MAX_THREADS"
+LEARNING_SHARE_ENV = "VLLM_SRUN_CPU_LEARNING_SHARE"
+# the largest paid learning share one may set: past half, learning would take more of the
+# CPU than serving (R4.5 amended: a bounded share)
+MAX_LEARNING_SHARE = 0.5
 
 
 class AdaptiveMode(enum.IntEnum):
@@ -75,3 +79,23 @@ def allowed_counts(configured: int, budget: int,
     if budget <= top:
         counts.add(budget)
     return tuple(sorted(counts))
+
+
+def learning_share(flag: float | str | None = None,
+                   env: Mapping[str, str] | None = None) -> float | None:
+    """The paid learning share (``--learning-share`` / $VLLM_SRUN_CPU_LEARNING_SHARE): a
+    fraction of served forward time within 0..``MAX_LEARNING_SHARE``; None when neither is
+    set (the tuner's default, 0.02)."""
+    env = os.environ if env is None else env
+    name, raw = ("--learning-share", flag) if flag is not None else \
+        (LEARNING_SHARE_ENV, env.get(LEARNING_SHARE_ENV, "").strip() or None)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= MAX_LEARNING_SHARE:
+        raise ConfigError(f"{name} must be a fraction of served forward time within "
+                          f"0..{MAX_LEARNING_SHARE}, got {raw!r}")
+    return value

@@ -6,8 +6,8 @@ A document is ``{"object": "threads.report", "source": "server" | "record", "rep
 with one report per worker (live: per replica, named by ``deployment`` and ``replica``) or per
 scope of the record. Each report has the same keys (``build``, ``off_report``): its learning
 ``state`` with ``state_reason`` and a ``recommendation`` (``advice.py``), and per range the
-statistic the decision uses (``decision_statistic``: the lower quartile, ``policy.typical``)
-per count beside the median and p90."""
+statistic the decision uses (``decision_statistic``: the median, ``estimator.estimate``) per
+count with its ~90% interval (``interval_ms``) and the p90, and the paid learning share."""
 
 from __future__ import annotations
 
@@ -15,17 +15,18 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from vllm_srun.records.host_record import DriftEvent, Scope, Voucher
-from vllm_srun.tuner.adaptive import AdaptiveThreads, RangeLearning
+from vllm_srun.tuner.adaptive import AdaptiveThreads
 from vllm_srun.tuner.advice import OFF_REASON, learning_state, recommendation
+from vllm_srun.tuner.estimator import estimate, speedup
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.policy import RangeState, speedup, summarize, typical
+from vllm_srun.tuner.policy import summarize
+from vllm_srun.tuner.ranges import RangeLearning, RangeState, report_state, wanted_count
 
 CBWR_REMEDY = ("answers drifted across thread counts with the torch backend; start the worker "
                "with --mkl-cbwr (sets MKL_CBWR=AUTO before torch loads), which made this kind "
                "of host bit-identical across counts, then `vllm-srun threads reset`")
-# the statistic ``policy.learned_count`` compares counts by (``policy.typical``), as named in
-# reports; its value per count stands beside the median and p90
-DECISION_STATISTIC = "p25_ms"
+# the statistic ``estimator.choose`` compares counts by, as named in reports
+DECISION_STATISTIC = "median_ms"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class ReportInput:
     margin: float | None = None  # TunerSettings.margin and min_samples the decision used
     min_samples: int | None = None
     model: str | None = None
+    verified_passes: dict[int, int] = field(default_factory=dict)  # the ledger's, per range
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -53,11 +55,15 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
     with t.lock:
         ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
                   for lo, r in t.ranges.items()}
+        passes = {lo: t.ledger.progress(lo, r.learned) for lo, r in ranges.items()
+                  if r.learned is not None}
         slowdown = {str(n): round(t._slowdown(n), 3) for n in sorted(t._slowdowns)}
+        paid = t.paid
+        served_s = paid.served_s
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
                        t.locked_reason, record_path, t.record_error, t.shadow_error,
                        t.uncovered, margin=t.settings.margin,
-                       min_samples=t.settings.min_samples, learning={
+                       min_samples=t.settings.min_samples, verified_passes=passes, learning={
                            "shadow_comparisons": t.comparisons, "audits": t.audits,
                            "shadows_overlapped_not_timed": t.discarded,
                            "shadows_preempted_not_timed": t.preempted,
@@ -79,21 +85,22 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            # was started again), each retried after a backoff
                            "shadow_faults": t.shadow_faults,
                            "shadow_wall_seconds": round(t.shadow_wall_s, 3),
-                           "shadow_budget_seconds": round(t.shadow_budget_s(), 3)})
+                           "shadow_budget_seconds": round(t.shadow_budget_s(), 3),
+                           # R4.5 amended: shadows run at normal priority beside served
+                           # forwards where no idle CPU came, paid from ``learning_share``
+                           # of served forward time
+                           "learning_share": paid.share,
+                           "paid_shadows": paid.paid_shadows,
+                           "paid_shadow_seconds": round(paid.paid_s, 3),
+                           "served_forward_seconds": round(served_s, 3),
+                           "paid_share_of_served": round(paid.paid_s / served_s, 4)
+                           if served_s else 0.0})
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
-    if inp.drift is not None:
-        return RangeState.RETIRED
-    if inp.locked_reason is not None:
-        return RangeState.LOCKED
-    if r.learned is None:
-        return RangeState.RELEARNING if r.relearning else RangeState.EXPLORING
-    if inp.mode is AdaptiveMode.SERVE and r.learned != inp.configured:
-        if not inp.voucher.covers_counts(r.learned, inp.configured):
-            return RangeState.NO_VOUCHER
-        return RangeState.SERVING if r.serving else RangeState.VERIFYING
-    return RangeState.LEARNED
+    no_voucher = inp.mode is AdaptiveMode.SERVE and r.learned is not None and \
+        not inp.voucher.covers_counts(r.learned, inp.configured)
+    return report_state(r, inp.locked_reason is not None, inp.drift is not None, no_voucher)
 
 
 def build(inp: ReportInput) -> dict:
@@ -102,19 +109,20 @@ def build(inp: ReportInput) -> dict:
         r = inp.ranges[lo]
         per_count = {}
         for n in inp.counts:
-            s = summarize(r.samples.get(n, []))
+            s, e = summarize(r.samples.get(n, [])), estimate(r.samples.get(n, []))
             per_count[str(n)] = (
-                {DECISION_STATISTIC: round(typical(r.samples[n]), 3),
-                 "median_ms": round(s.median_ms, 3), "p90_ms": round(s.p90_ms, 3),
-                 "samples": s.samples} if s else
-                {DECISION_STATISTIC: None, "median_ms": None, "p90_ms": None, "samples": 0})
+                {"median_ms": round(s.median_ms, 3),
+                 "interval_ms": [round(e.low_ms, 3), round(e.high_ms, 3)],
+                 "p90_ms": round(s.p90_ms, 3), "samples": s.samples} if s else
+                {"median_ms": None, "interval_ms": None, "p90_ms": None, "samples": 0})
         served = inp.configured if inp.drift is not None or inp.locked_reason else \
-            r.learned if r.serving else (r.keep_serving or inp.configured)
+            wanted_count(r, inp.configured)
         up = speedup(r.samples, inp.configured, r.learned) if r.learned else None
         ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
                        "counts": per_count, "learned_threads": r.learned,
                        "speedup": round(up, 3) if up else None,
-                       "verified_passes": r.streak, "state": range_state(inp, r).value,
+                       "verified_passes": inp.verified_passes.get(lo, 0),
+                       "state": range_state(inp, r).value,
                        "timed_by": "its served forwards, at each count in turn (mode 2, "
                                    "vouched)" if r.explore_served else
                                    "shadows, and its served forwards at the count served"})
@@ -223,15 +231,17 @@ def tables(doc: dict) -> str:
 def table(report: dict) -> str:
     counts = [str(n) for n in report["allowed_counts"]]
     stat = report["decision_statistic"].removesuffix("_ms")
-    head = ["range", "served", *[f"{n} thr ms ({stat}/p50/p90/n)" for n in counts], "learned",
+    head = ["range", "served", *[f"{n} thr ms ({stat} [90% interval]/p90/n)" for n in counts],
+            "learned",
             "speed-up", "range state"]
     rows = [head]
     for r in report["ranges"]:
         cells = [r["size_range"], str(r["served_threads"])]
         for n in counts:
             c = r["counts"][n]
+            low, high = c.get("interval_ms") or (c["median_ms"], c["median_ms"])
             cells.append("-" if not c["samples"] else
-                         f"{c[report['decision_statistic']]:.2f}/{c['median_ms']:.2f}/"
+                         f"{c[report['decision_statistic']]:.2f} [{low:.2f}-{high:.2f}]/"
                          f"{c['p90_ms']:.2f}/{c['samples']}")
         cells += [str(r["learned_threads"] or "-"),
                   f"{r['speedup']:.2f}x" if r["speedup"] else "-", r["state"]]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from vllm_srun.runtime.backend import Backend, load_backend
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.lifetime import die_with_parent
-from vllm_srun.runtime.threads import ThreadContext, make_process_idle
+from vllm_srun.runtime.threads import ThreadContext, make_process_idle, set_process_idle
 from vllm_srun.runtime.types import ForwardResult, Manifest, TokenBatch
 
 if TYPE_CHECKING:
@@ -46,14 +46,20 @@ log = logging.getLogger(__name__)
 
 def idle_shadows(backend: Backend) -> tuple[Forward, Callable[[], None]]:
     """A shadow ``Forward`` on ``SCHED_IDLE`` lanes over the backend's twin (its pools made
-    there), and how to shut those lanes down."""
-    context = ThreadContext(idle=True)
+    there), and how to shut those lanes down. ``forward(..., paid=True)`` runs on lanes at
+    normal priority instead (a shadow the learning share pays for)."""
+    context, normal = ThreadContext(idle=True), ThreadContext()
     twin = backend.twin()
 
-    def forward(batch: TokenBatch, num_threads: int) -> ForwardResult:
-        return context.run(num_threads, lambda: twin.forward(batch, num_threads))
+    def forward(batch: TokenBatch, num_threads: int, paid: bool = False) -> ForwardResult:
+        return (normal if paid else context).run(
+            num_threads, lambda: twin.forward(batch, num_threads))
 
-    return forward, context.shutdown
+    def shutdown() -> None:
+        context.shutdown()
+        normal.shutdown()
+
+    return forward, shutdown
 
 
 # a forward whose child used no CPU time at all for this long, while not frozen by the tuner,
@@ -151,7 +157,9 @@ class ShadowProcess:
             raise failed[0]
         return child
 
-    def forward(self, batch: TokenBatch, num_threads: int) -> ForwardResult:
+    def forward(self, batch: TokenBatch, num_threads: int, paid: bool = False) -> ForwardResult:
+        """One shadow forward in the child; ``paid``: the child runs it at normal priority
+        (a shadow the learning share pays for), then goes back to ``SCHED_IDLE``."""
         with self._lock:
             if self._closed:
                 raise RuntimeFault("shadow process closed")
@@ -165,7 +173,7 @@ class ShadowProcess:
                 if not child.process.is_alive():  # (and reaped)
                     raise EOFError(f"exit code {child.process.exitcode}")
                 child.conn.send((batch.input_ids, batch.attention_mask, batch.token_type_ids,
-                                 batch.raw_rows, num_threads))
+                                 batch.raw_rows, num_threads, paid))
                 ok, payload = self._receive(child)
             except (OSError, EOFError, _Hung) as exc:
                 child.end()
@@ -269,11 +277,17 @@ def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, arm
             return
         if msg is None:
             return
-        ids, mask, types, raw, n = msg  # the served batch as it ran (pairs, raw rows)
+        ids, mask, types, raw, n, paid = msg  # the served batch as it ran (pairs, raw rows)
         batch = TokenBatch(ids, mask, types, raw)
         try:
+            if paid and not set_process_idle(False):  # normal priority for this job only
+                log.warning("paid_shadow_priority_unavailable action=run_idle")
             before = waits()
-            r = context.run(n, lambda b=batch, k=n: backend.forward(b, k))
+            try:
+                r = context.run(n, lambda b=batch, k=n: backend.forward(b, k))
+            finally:
+                if paid:
+                    set_process_idle(True)
             after = waits()
             waited = None if before is None or after is None else max(0.0, after - before)
             conn.send((True, (r.outputs, r.num_threads, r.observed_threads, r.forward_s,

@@ -202,8 +202,9 @@ def _scope_report(record, scope) -> dict:
     """What the record holds for one scope, as the report a worker would give: its stored
     samples, learned counts, voucher and drift; a learned count counts as served where the
     last worker ran mode 2 and it passed its window under a voucher, as that worker did."""
-    from vllm_srun.tuner.adaptive import RangeLearning, TunerSettings
+    from vllm_srun.tuner.adaptive import TunerSettings
     from vllm_srun.tuner.modes import AdaptiveMode
+    from vllm_srun.tuner.ranges import Phase, RangeLearning
     from vllm_srun.tuner.report import ReportInput, build
 
     settings = TunerSettings()
@@ -212,16 +213,18 @@ def _scope_report(record, scope) -> dict:
     voucher = record.voucher(scope)
     ranges = {lo: RangeLearning(samples=by_count)
               for lo, by_count in record.timings(scope).items()}
+    passes = {}
     for lo, row in record.learned(scope).items():
         r = ranges.setdefault(lo, RangeLearning())
-        r.learned, r.streak = row["num_threads"], row["verified_passes"]
-        r.serving = (mode is AdaptiveMode.SERVE and r.learned != configured
-                     and r.streak >= settings.window
-                     and voucher.covers_counts(r.learned, configured))
+        r.learned, passes[lo] = row["num_threads"], row["verified_passes"]
+        r.phase = Phase.LEARNED if mode is not AdaptiveMode.SERVE or r.learned == configured \
+            else Phase.SERVING if (passes[lo] >= settings.window
+                                   and voucher.covers_counts(r.learned, configured)) \
+            else Phase.VERIFYING
     inp = ReportInput(mode, configured, tuple(worker["counts"]), scope, ranges, voucher,
                       record.drift(scope), record_path=str(record.path),
                       margin=settings.margin, min_samples=settings.min_samples,
-                      model=worker.get("model"))
+                      model=worker.get("model"), verified_passes=passes)
     rep = build(inp)
     rep["notes"].append("from the record: every stored sample of every worker of this scope "
                         "(a worker decides on its own last "

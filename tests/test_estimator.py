@@ -1,0 +1,64 @@
+"""R4.13, R4.11: the estimator's pure functions on recorded inputs: the statistic and its
+interval, the rule that chooses a count, the change detector, and what a paid shadow's
+measurement would cost a served forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_srun.tuner.estimator import (
+    changed,
+    choose,
+    counts_needing_samples,
+    estimate,
+    served_cost_ms,
+)
+
+
+def test_the_estimate_is_the_median_with_an_order_statistic_interval():
+    e = estimate([float(x) for x in range(1, 13)])  # 1..12
+    assert (e.ms, e.samples) == (6.5, 12)
+    assert e.low_ms < e.ms < e.high_ms and (e.low_ms, e.high_ms) == (3.0, 9.0)
+    # the interval holds the true median in about 90% of draws
+    rng = np.random.default_rng(0)
+    held = sum(estimate(list(rng.exponential(1.0, 12))).low_ms < np.log(2) <
+               estimate(list(rng.exponential(1.0, 12))).high_ms for _ in range(400))
+    assert held > 0.8 * 400
+    assert estimate([]) is None and estimate([5.0]) == estimate([5.0])
+
+
+def test_a_count_replaces_the_configured_one_only_when_its_interval_clears_the_margin():
+    configured = [10.0] * 12
+    clear = [8.0] * 12  # 20% faster throughout
+    close = [9.7] * 12  # 3%: inside the 5% margin
+    spread = [5.0] * 6 + [9.8] * 6  # median 7.4, but half its samples within the margin
+    assert choose({1: configured, 2: clear}, (1, 2), 1, 12, 0.05) == 2
+    assert choose({1: configured, 2: close}, (1, 2), 1, 12, 0.05) == 1
+    assert choose({1: configured, 2: spread}, (1, 2), 1, 12, 0.05) == 1
+    assert choose({1: clear, 2: configured}, (1, 2), 2, 12, 0.05) == 1
+    assert choose({1: configured, 2: clear[:11]}, (1, 2), 1, 12, 0.05) is None
+
+
+def test_a_count_losing_2x_early_needs_no_more_samples():
+    samples = {1: [10.0] * 12, 2: [25.0, 30.0, 22.0]}
+    assert counts_needing_samples(samples, (1, 2), 12) == []
+    assert choose(samples, (1, 2), 1, 12, 0.05) == 1
+    samples[2] = [25.0, 30.0, 12.0]  # one fast sample keeps it in
+    assert counts_needing_samples(samples, (1, 2), 12) == [2]
+
+
+def test_the_change_detector_compares_one_count_with_itself_either_way():
+    assert not changed([1.2] * 8, 1.0, 1.5)
+    assert changed([1.6] * 8, 1.0, 1.5) and changed([0.6] * 8, 1.0, 1.5)
+    assert not changed([], 1.0, 1.5) and not changed([9.0], 0.0, 1.5)
+
+
+@pytest.mark.parametrize(("forward_s", "waited_s", "threads", "ms"), [
+    (0.030, None, 2, 30.0),  # the kernel keeps no run delay: as measured
+    (0.030, 0.020, 2, 20.0),  # 20 ms of its two threads' waiting: 10 ms each
+    (0.030, 0.010, 1, 20.0),
+    (0.010, 0.050, 2, 0.0)])  # never below zero
+def test_a_shadows_time_less_its_threads_run_delay_per_thread(forward_s, waited_s, threads,
+                                                              ms):
+    assert served_cost_ms(forward_s, waited_s, threads) == pytest.approx(ms)

@@ -1,0 +1,103 @@
+"""R4.5 amended: where traffic leaves no idle CPU, learning takes a bounded paid share of
+serving so that mode 2's transition window completes. The real tuner, real L3 forwards (so
+every comparison is bit for bit), back-to-back served forwards on a fake clock: a shadow may
+only start while a served forward runs, as under steady closed-loop load."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.conftest import L3, row
+from vllm_srun.records.host_record import Coverage, Scope, Voucher
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.engine import pad
+from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.share import PaidShare
+
+M = resolve(L3)
+# on the fake clock: a served forward at 1 thread 20 ms, at 2 threads 10 ms; a shadow 10 ms
+SERVED_S, SHADOW_S = {1: 0.020, 2: 0.010}, 0.010
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return load_backend(M, "onnxruntime")
+
+
+def back_to_back(backend, share: float, forwards: int) -> tuple[AdaptiveThreads, int | None]:
+    """Serve up to ``forwards`` one-row forwards back to back (each shadow step runs while
+    one is in flight); returns the tuner and the forward at which range 16-31 served 2."""
+    now = [0.0]
+    settings = TunerSettings(background=False, min_samples=4, window=4, learning_share=share)
+    paid_runs = []
+
+    def shadow(batch, n, paid=False):
+        result = backend.forward(batch, n)
+        paid_runs.append(paid)
+        now[0] += SHADOW_S
+        return replace(result, forward_s=SHADOW_S, waited_s=0.0)
+
+    tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), Scope("h", M.revision, "o"), None,
+                            backend.forward, settings, clock=lambda: now[0],
+                            shadow_forward=shadow, paid_forward=lambda b, n: shadow(b, n, True))
+    tuner.locked_reason = None
+    tuner.voucher = Voucher(1, 0, True, (Coverage((1, 2), 1, 2, 64, 64, 64, 63),))
+    for i in range(forwards):
+        batch = pad([row(20, i)])
+        n = tuner.served_threads(batch)
+        while tuner.step():  # the shadow loop, while this forward runs
+            pass
+        result = backend.forward(batch, n)
+        now[0] += SERVED_S[n]
+        tuner.observe(batch, replace(result, forward_s=SERVED_S[n]))
+        if n == 2 and tuner.ranges[16].serving:
+            assert all(paid_runs), "no idle-class shadow can start under this load"
+            return tuner, i
+    return tuner, None
+
+
+def test_a_paid_share_completes_the_window_under_back_to_back_load_within_its_share(backend):
+    tuner, at = back_to_back(backend, 0.02, 3000)
+    assert at is not None and at < 3000, tuner.ranges
+    paid = tuner.paid
+    assert paid.paid_shadows >= tuner.settings.window  # the audits of exploring forwards
+    # paid time within 2% of served forward time, plus what the bucket may hold, plus one
+    assert paid.paid_s <= 0.02 * paid.served_s + paid.cap_s + SHADOW_S
+    learning = tuner.ledger
+    assert learning.window_passed(16, 2) and learning.retired is None
+
+
+def test_without_a_share_the_window_never_completes_under_back_to_back_load(backend):
+    tuner, at = back_to_back(backend, 0.0, 600)
+    assert at is None and tuner.ranges[16].learned == 2 and not tuner.ranges[16].serving
+    assert tuner.paid.paid_shadows == 0
+
+
+def test_the_paid_bucket_fills_at_the_share_caps_and_is_charged():
+    share = PaidShare(0.02, cap_s=0.5)
+    share.accrue(10.0)  # 0.2 s of credit
+    assert share.affords(0.2) and not share.affords(0.3)
+    share.charge(0.25)  # one overran its expected cost: repaid before the next
+    assert not share.affords(0.01) and share.credit_s == pytest.approx(-0.05)
+    share.accrue(1000.0)
+    assert share.credit_s == 0.5 and share.affords(2.0)  # the longest wait for a full bucket
+    assert not PaidShare(0.0).affords(0.0)
+
+
+def test_the_share_setting_is_validated_and_named_in_its_error():
+    """``--learning-share`` / $VLLM_SRUN_CPU_LEARNING_SHARE: a fraction within 0..0.5."""
+    from vllm_srun.runtime.errors import ConfigError
+    from vllm_srun.tuner.modes import LEARNING_SHARE_ENV, learning_share
+
+    assert learning_share(None, {}) is None
+    assert learning_share(None, {LEARNING_SHARE_ENV: " 0.05 "}) == 0.05
+    assert learning_share("0", {LEARNING_SHARE_ENV: "0.3"}) == 0.0  # the flag wins
+    for bad in ("0.9", "-0.1", "two percent", "nan"):
+        with pytest.raises(ConfigError, match=LEARNING_SHARE_ENV):
+            learning_share(None, {LEARNING_SHARE_ENV: bad})
+        with pytest.raises(ConfigError, match="--learning-share"):
+            learning_share(bad, {})

@@ -1,0 +1,131 @@
+"""Forward time per (range, count) under the load the worker sees (R4.5, R4.11, R4.13): pure
+functions over timing samples; no clock, no lock, no state.
+
+The statistic: the **median** of a count's most recent samples in its range (the caller keeps
+the last ``max_samples``: that is the horizon), with an order-statistic interval of about 90%
+confidence (``estimate``). Samples are what a served forward at that count takes now:
+
+- served forwards at that count (mode 2 serves vouched counts in turn while a range explores:
+  these are the main samples, normal priority, beside whatever the host runs);
+- shadows: an idle-class shadow that ran alone (``policy.clean_window``, not preempted) is
+  taken as it is; a paid shadow (``share.PaidShare``: normal priority, beside served
+  forwards) or one whose threads waited for CPUs is turned into what that count would cost a
+  served forward by ``served_cost_ms``: its wall time less the time its threads spent
+  runnable but not running, per thread (``RunDelay``). Per thread, because the threads of one
+  forward mostly wait at the same moments (a busy CPU holds them all up at the next
+  barrier); where they do not, this leaves some waiting in, so the estimate errs toward
+  fewer threads, the cheap side (a count replaces the configured one only by a margin).
+
+Contention is an input, not a mode: a neighbour that slows a count slows its recent samples,
+and the estimate follows them.
+
+The rule (``choose``): once every allowed count has ``min_samples`` (or has lost early: its
+first few already run ``LOSING`` times the best), the count with the lowest median wins; a
+count other than the configured one replaces it only if its whole interval lies below the
+configured count's median less ``margin``. The change detector (``changed``): the median of
+recent forwards at one count moved by ``factor`` either way from that same count's estimate
+when the range was learned (R4.11: like against like, so a large speed-up never triggers it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# the interval's two-sided confidence is about 90%: the ranks of the median's order-statistic
+# interval lie this many standard deviations of Binomial(n, 1/2) either side of n/2
+Z_90 = 1.645
+# a count whose first ``EARLY`` samples all run ``LOSING`` times slower than the best count's
+# median needs no more samples: an oversubscribed count's shadows are long and rarely fit
+# between served forwards. Three: one fast sample keeps it in (the first at a new count may be
+# cold); twice: the noise of this shared host spans ±30% (FACTS.md), far under 2x
+EARLY, LOSING = 3, 2.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A count's forward time in a range: the median and its ~90% interval, in ms."""
+
+    ms: float
+    low_ms: float
+    high_ms: float
+    samples: int
+
+
+def estimate(samples_ms: Sequence[float]) -> Estimate | None:
+    """The median of ``samples_ms`` and its order-statistic interval (ranks n/2 -+
+    ``Z_90`` * sqrt(n)/2, clipped to the samples); None without samples."""
+    if not samples_ms:
+        return None
+    s = sorted(samples_ms)
+    n = len(s)
+    half = Z_90 * math.sqrt(n) / 2
+    lo = max(0, math.floor(n / 2 - half) - 1)
+    hi = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return Estimate(float(np.median(s)), s[lo], s[hi], n)
+
+
+def typical(samples_ms: Sequence[float]) -> float:
+    """The statistic counts are compared by: the median (``estimate``)."""
+    return float(np.median(np.asarray(samples_ms, dtype=np.float64)))
+
+
+def served_cost_ms(forward_s: float, waited_s: float | None, threads: int) -> float:
+    """What a shadow's forward at ``threads`` would take as a served forward (see the module
+    docstring): its time less its threads' run delay, per thread."""
+    return 1000 * max(forward_s - (waited_s or 0.0) / max(1, threads), 0.0)
+
+
+def losing_counts(samples_by_count: Mapping[int, Sequence[float]],
+                  counts: Sequence[int]) -> set[int]:
+    """Counts whose first ``EARLY`` samples, even the fastest, already run ``LOSING`` times
+    slower than the best count's median."""
+    have = {n: samples_by_count[n] for n in counts if len(samples_by_count.get(n, ())) >= EARLY}
+    if len(have) < 2:
+        return set()
+    best = min(typical(v) for v in have.values())
+    return {n for n, v in have.items() if min(v) > LOSING * best}
+
+
+def counts_needing_samples(samples_by_count: Mapping[int, Sequence[float]],
+                           counts: Sequence[int], target: int) -> list[int]:
+    """Counts with fewer than ``target`` samples that have not lost early."""
+    out = losing_counts(samples_by_count, counts)
+    return [n for n in counts if len(samples_by_count.get(n, ())) < target and n not in out]
+
+
+def choose(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
+           configured: int, min_samples: int, margin: float) -> int | None:
+    """The count a range learns, or None while a count still lacks samples (see the module
+    docstring)."""
+    if counts_needing_samples(samples_by_count, counts, min_samples):
+        return None
+    out = losing_counts(samples_by_count, counts)
+    est = {n: estimate(samples_by_count[n]) for n in counts if n not in out}
+    best = min(est, key=lambda n: (est[n].ms, n != configured, n))
+    base = est.get(configured) or estimate(samples_by_count[configured])
+    if best != configured and est[best].high_ms >= base.ms * (1 - margin):
+        return configured
+    return best
+
+
+def speedup(samples_by_count: Mapping[int, Sequence[float]], configured: int,
+            count: int) -> float | None:
+    """The configured count's median over ``count``'s."""
+    a, b = samples_by_count.get(configured), samples_by_count.get(count)
+    if not a or not b:
+        return None
+    return typical(a) / typical(b)
+
+
+def changed(recent_per_token: Sequence[float], baseline_per_token: float,
+            factor: float) -> bool:
+    """Forwards at one count now run ``factor`` slower or faster than that same count's
+    estimate when the range was learned (R4.11: never a comparison across counts)."""
+    if not recent_per_token or baseline_per_token <= 0:
+        return False
+    ratio = typical(recent_per_token) / baseline_per_token
+    return ratio > factor or ratio < 1 / factor
