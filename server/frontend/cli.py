@@ -15,6 +15,7 @@ from vllm_srun.server.frontend.auth import api_key
 from vllm_srun.server.frontend.settings import (
     API_KEY,
     DEPLOYMENT_SETTINGS,
+    LEARNING_SHARE,
     LOG_FORMAT,
     MAX_THREADS,
     PRECEDENCE,
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body accepted (default: %(default)s)")
     add_flags(serve, (API_KEY,))
     _add_threads_flags(serve)
+    add_flags(serve, (LEARNING_SHARE,))
     serve.add_argument("--mkl-cbwr", action="store_true",
                        help="torch backend: run with MKL_CBWR=AUTO (MKL's reproducible mode, "
                             "set before torch loads), which makes answers bit-identical across "
@@ -221,14 +223,15 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
     from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
     from vllm_srun.server.pool.pool import PoolOptions
-    from vllm_srun.tuner.modes import effective_mode, max_threads, parse_mode
+    from vllm_srun.tuner.modes import effective_mode, learning_share, max_threads, parse_mode
 
     if args.mkl_cbwr:
         _reexec_for_mkl_cbwr(args, argv)
     config = _checked_config(args)
     budget, mode = cpu_budget(), parse_mode()
+    share = learning_share(args.learning_share)
     pool_options = PoolOptions(budget, int(mode), max_threads(budget, args.max_threads),
-                               args.record, args.log_level)
+                               args.record, args.log_level, learning_share=share)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # R9.1: a spawned child of this process (the in-process worker's shadow process) starts as
     # `python -c`, which puts the working folder first on its module path unless told not to

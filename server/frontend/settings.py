@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from vllm_srun.runtime.budget import THREADS_ENV
+from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.precision import DTYPE_CHOICES
 from vllm_srun.runtime.types import BackendName
 from vllm_srun.server.frontend.auth import API_KEY_ENV
@@ -24,7 +25,12 @@ from vllm_srun.server.pool.config import (
     check_served_name,
 )
 from vllm_srun.server.worker.logs import LOG_FORMAT_ENV
-from vllm_srun.tuner.modes import ADAPTIVE_ENV, MAX_THREADS_ENV
+from vllm_srun.tuner.modes import (
+    ADAPTIVE_ENV,
+    LEARNING_SHARE_ENV,
+    MAX_THREADS_ENV,
+    learning_share,
+)
 
 RECORD_ENV = "VLLM_SRUN_RECORD"  # read by records.host_record
 
@@ -89,6 +95,13 @@ def _share(flag: str) -> Callable[[str], float]:
     return parse
 
 
+def _learning_share(text: str) -> float:
+    try:
+        return learning_share(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # The quality gate's thresholds (R1.5): figure -> what it bounds
 _GATE = {"min_cosine": "least cosine of an embedding to float32's (default 0.999)",
          "min_label_agreement": "least share of labels (classify, token classify) that agree "
@@ -148,6 +161,12 @@ MAX_THREADS = Setting(
                      "powers of two, the configured count and the CPU budget, up to the "
                      "budget and at most 16; this narrows that set (capped by the CPU budget)",
     env=MAX_THREADS_ENV, parse=_integer("--max-threads", 1))
+LEARNING_SHARE = Setting(
+    "--learning-share", "adaptive threads: the most of served forward time learning may take "
+                        "where traffic leaves no idle CPU (shadows run beside served "
+                        "forwards at normal priority), as a fraction within 0..0.5 "
+                        "(default 0.02; 0: learn on idle CPU only)",
+    env=LEARNING_SHARE_ENV, metavar="FRACTION", parse=_learning_share)
 RECORD = Setting("--record", "host record file (default: host-record.sqlite in the user's "
                              "data folder)", env=RECORD_ENV)
 API_KEY = Setting("--api-key", "require 'Authorization: Bearer KEY' on /v1/*; prefer the "
@@ -156,7 +175,8 @@ LOG_FORMAT = Setting("--log-format", "log lines as text (time LEVEL logger event
                                     "...) or JSON, one object per line (default: text); "
                                     "workers log the same way",
                      env=LOG_FORMAT_ENV, choices=("text", "json"))
-PROCESS_SETTINGS: tuple[Setting, ...] = (MAX_THREADS, RECORD, API_KEY, LOG_FORMAT)
+PROCESS_SETTINGS: tuple[Setting, ...] = (MAX_THREADS, LEARNING_SHARE, RECORD, API_KEY,
+                                          LOG_FORMAT)
 
 
 PRECEDENCE = ("Each setting is taken from its flag, else the config file (--config), else its "

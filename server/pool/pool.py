@@ -79,6 +79,7 @@ class PoolOptions:
     record: str | None = None
     log_level: str = "warning"
     socket_dir: str | None = None
+    learning_share: float | None = None  # None: the tuner's default
 
 
 def dispatch_mode() -> str:
@@ -176,7 +177,8 @@ class Pool:
                           set_max_num_batched_tokens=dep.engine.max_num_batched_tokens,
                           revision=dep.revision,
                           dtype=dep.dtype or "float32", quality_gate=dep.thresholds(),
-                          share_cores=not dep.shorthand and not is_gpu(device))
+                          share_cores=not dep.shorthand and not is_gpu(device),
+                          learning_share=self.options.learning_share)
 
     def mode_of(self, dep: DeploymentConfig) -> AdaptiveMode:
         """The deployment's adaptive-threads mode: its config key, else the process's."""

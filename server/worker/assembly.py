@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from vllm_srun.records.host_record import HostRecord, HostRecordError, Scope, default_record_path
@@ -21,7 +23,7 @@ from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.selection import PrecisionChoice, choose
 from vllm_srun.runtime.types import BackendName, ForwardRecord, Manifest
 from vllm_srun.server.worker.spec import WorkerSpec
-from vllm_srun.tuner.adaptive import AdaptiveThreads
+from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.cores import CoreShare, CoreShareError, SharedCores, cores_path
 from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows, reference_outputs, reference_tolerance
@@ -113,9 +115,13 @@ class Worker:
             free.close()
             shadows.close()
 
+        settings = spec.settings or TunerSettings()
+        if spec.learning_share is not None:
+            settings = replace(settings, learning_share=spec.learning_share)
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
-                                runner.engine.forward_batch, spec.settings,
+                                runner.engine.forward_batch, settings,
                                 shadow_forward=shadows.forward, on_close=close,
+                                paid_forward=partial(shadows.forward, paid=True),
                                 pause_shadows=shadows.pause, free_cpu_s=free.latest,
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")

@@ -46,6 +46,10 @@ class WorkerMetrics:
         self.vouched = Gauge("vllm_srun_learning_voucher",
                              "1 when the host record holds a voucher of bit-identity across "
                              "counts for this worker's scope", ["replica"], registry=r)
+        self.paid = Gauge("vllm_srun_learning_paid_seconds",
+                          "Seconds of shadow forwards learning ran at normal priority beside "
+                          "served forwards (the paid learning share, --learning-share)",
+                          ["replica"], registry=r)
         self.served = Gauge("vllm_srun_range_served_threads",
                             "Intra-op threads serving each input-size range now",
                             ["replica", "size_range"], registry=r)
@@ -73,6 +77,7 @@ class WorkerMetrics:
             self.learning_state.labels(rid, state.value).set(state.value == report["state"])
         self.retired.labels(rid).set(report["drift"] is not None)
         self.vouched.labels(rid).set(report["voucher"]["vouches"])
+        self.paid.labels(rid).set(report["learning"].get("paid_shadow_seconds", 0.0))
         for gauge in (self.served, self.learned, self.range_state):
             gauge.clear()
         for rng in report["ranges"]:

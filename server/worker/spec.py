@@ -37,6 +37,7 @@ class WorkerSpec:
     # share the host's cores with the other CPU workers through the ledger beside the host
     # record (R4.12): counts above the configured one only within ``budget`` together
     share_cores: bool = False
+    learning_share: float | None = None  # the paid learning share; None: the tuner's default
 
     def to_json(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
