@@ -378,7 +378,7 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
                   f"{two * 1e3:.1f} ms")
         if faster:
             assert gave_way, (tuner.contended, beside, tuner.ranges[lo].baselines,
-                              {n: list(v) for n, v in tuner._slowdowns.items()})
+                              {n: list(v) for n, v in tuner.contention._slowdowns.items()})
         print("beside", beside, tuner.contended, tuner.contention_probes)
         if free_cpus:  # the neighbour holds its core: nothing ends it, nothing probes
             # (measured: 1 thread from the 5th-22nd of these forwards on, every one after)

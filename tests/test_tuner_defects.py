@@ -184,7 +184,7 @@ def contention_run(caplog, held: list[tuple[float, float]], until_s: float):
         return now, total
 
     host.tuner.free_cpu_s = free_s
-    caplog.set_level(logging.INFO, logger="vllm_srun.tuner.adaptive")
+    caplog.set_level(logging.INFO, logger="vllm_srun.tuner")
     host.run(poisson_trace(15, 60, [64, 256], seed=1)
              + poisson_trace(15, until_s - 60, [64, 256], seed=2, start_s=60))
     assert all(r.learned == 2 for r in host.tuner.ranges.values())
@@ -261,7 +261,7 @@ def test_a_served_forward_reads_no_proc_file_and_the_free_cores_still_update(
         for i in range(12):
             runner.engine.submit([row(40, i)]).result(timeout=60)
             time.sleep(0.15)  # forwards a window apart: each may read a new one
-            windows.append(tuner._free_rate)
+            windows.append(tuner.contention._free_rate)
     finally:
         runner.stop()
     assert served and opened  # forwards ran; the reader read /proc meanwhile

@@ -68,12 +68,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -82,6 +80,7 @@ from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
+from vllm_srun.tuner.contention import ContentionWatch
 from vllm_srun.tuner.estimator import (
     changed,
     choose,
@@ -91,103 +90,18 @@ from vllm_srun.tuner.estimator import (
 )
 from vllm_srun.tuner.ledger import ExactnessLedger, Refusal, first_difference, output_bits
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.policy import clean_window, likely_uninterrupted, preempted, shadow_plan
+from vllm_srun.tuner.policy import clean_window, preempted, shadow_plan
 from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, relearn, settle, wanted_count
+from vllm_srun.tuner.scheduling import ShadowGate, ShadowJob
+from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.shadows import STOP_WAIT_S, ShadowLoop
-from vllm_srun.tuner.share import DEFAULT_SHARE, PaidShare, ShadowBudget
+from vllm_srun.tuner.share import PaidShare, ShadowBudget
 
 __all__ = ["AdaptiveThreads", "RangeLearning", "TunerSettings", "output_bits"]
 
 log = logging.getLogger(__name__)
 
 Forward = Callable[[TokenBatch, int], ForwardResult]
-
-
-@dataclass(frozen=True)
-class TunerSettings:
-    min_samples: int = 12  # clean timed shadows per count per range before a count is learned
-    window: int = 8  # mode 2: consecutive verified shadows before a learned count serves
-    margin: float = 0.05  # a non-configured count must be this much faster
-    audit_every: int = 8  # every Nth forward of a learned range: a probe (and audit) shadow
-    budget_fraction: float = 0.5  # shadow time at most this share of wall time
-    # ... of which idle time banks at most this long's worth: over any stretch, shadows
-    # take at most ``budget_fraction`` of it plus ``budget_fraction * budget_window_s``
-    # (5 s at 0.5; a back-to-back burst after an idle stretch: 10 s at most). Unbanked, an
-    # idle hour let half an hour of shadows run in one go. A guess, not swept: a few of the
-    # longest shadows (the longest L6 inputs run about a second at 1 thread, FACTS.md) or
-    # a whole transition window of short ones fit in it, so a lull after load still
-    # passes a range's window in one go
-    budget_window_s: float = 10.0
-    relearn_factor: float = 1.5  # time at the learned count moved this much: explore again
-    relearn_window: int = 16  # served forwards at one count each relearning check rests on
-    probe_window: int = 4  # probe shadows at one count each relearning check rests on
-    flush_s: float = 2.0  # how often learnings are written to the record
-    max_samples: int = 48  # recent samples per count per range that decisions rest on
-    background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
-    watch_s: float = 0.5  # how often drift and the voucher are read back from the record
-    # mode 2 under contention: a learned count that now runs slower than a count below it
-    # would (host-wide slowdowns of each count, served forwards)
-    contention_slowdown: float = 1.25  # once it runs this much slower than when learned
-    contention_margin: float = 0.1  # ... by this much: that count serves meanwhile,
-    contention_probe_s: float = 0.25  # one forward at the learned count this often tells when
-    contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
-    contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
-    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it starts only
-    # once other tasks hold at least ``contention_held_min`` of the learned count's cores
-    # over a window of ``contention_free_window_s``, and is over once a window begun after
-    # it started sees them hold at most ``contention_held_end``: below the start, so a
-    # reading between the two neither starts nor ends it (with the end at 0.5, above the
-    # start, any reading between both started and ended it, flapping window by window).
-    # 0.125: an eighth of a core, under half the start; a quiet host's 0.1-s windows read
-    # 0-0.11 held (10th-90th percentile, ``_cores_free``), so most quiet windows end it
-    # (one measurement on one 2-core host: a guess, not swept)
-    contention_free_window_s: float = 0.1
-    contention_held_min: float = 0.25
-    contention_held_end: float = 0.125
-    # which counts fit the cores other tasks leave (``_fits``, ``_cores_busy``): to within
-    # this much of a core
-    contention_free_slack: float = 0.5
-    quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
-    # ... which halves each this many seconds too: gaps shorter than it, always, would
-    # otherwise keep every such shadow out for good (mode 1 under steady 35-ms gaps, after
-    # a few shadows were cut into: 17 comparisons in 30 s, none timed)
-    quiet_halflife_s: float = 1.0
-    # core-sharing shadows whose threads waited for CPUs other tasks held, this many in a
-    # row: the next starts 0.1 s after, doubling with each more up to ``held_backoff_max_s``
-    # (a clean one ends the run): an idle worker retrying at once beside another busy
-    # server cost that one's forwards 15-20%. Not after one alone: on 2 cores the frontend
-    # and the client hold a CPU in part of each gap, and backing off after each such one
-    # kept mode 1 from timing 2 threads at all under steady traffic
-    held_streak: int = 3
-    # ... but after one alone where its threads waited this share of its time or more: a
-    # CPU-bound task held a CPU throughout (over 1.0 beside one such process here). Retried
-    # up to the streak beside a neighbour on one core half the time, mode 2 froze 705 shadows
-    # for served forwards in a 5-minute bench section; with this, 317 (one run each; the
-    # backoff after every held-up one: 47)
-    held_hog: float = 0.5
-    held_backoff_max_s: float = 8.0
-    audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
-    busy_max: float = 0.3  # ... and only while served forwards took at most this share of
-    busy_window_s: float = 1.0  # the last this many seconds
-    thaw_hold_s: float = 0.005  # a frozen shadow side stays so this long at most after a
-    # served forward ends (twice the recent idle gaps): back-to-back forwards, one freeze
-    # R4.5 amended: where no idle CPU comes, learning takes at most this share of served
-    # forward time (``share.PaidShare``; ``--learning-share``)
-    learning_share: float = DEFAULT_SHARE
-    # ... for a due shadow (mode 2's window, or timing a count mode 1 lacks samples of) of a
-    # range that made no progress in this long: the gaps of Poisson traffic at half of
-    # capacity are tens of ms, so a second without one that lets it run is no idle CPU; short
-    # against the two minutes in which learning must complete (a guess, not swept)
-    starved_s: float = 1.0
-
-
-@dataclass
-class _Job:
-    batch: TokenBatch
-    outputs: np.ndarray
-    served_threads: int
-    counts: list[int]
-    served_s: float  # how long the served forward took
 
 
 class AdaptiveThreads:
@@ -215,9 +129,6 @@ class AdaptiveThreads:
         # freezes (True) and thaws; says if it is frozen (``_pause``: how long it was)
         self._pause_raw = pause_shadows
         self.pause_shadows = self._pause if pause_shadows is not None else None
-        # the last reading of the CPU seconds other tasks left this worker so far, and when
-        # it was taken on ``clock`` (``FreeCpus.latest``: read off the served path), or None
-        self.free_cpu_s = free_cpu_s
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.ledger = ExactnessLedger(mode, configured, self.settings.window)
         self.record_error: str | None = None
@@ -228,10 +139,10 @@ class AdaptiveThreads:
         self.preempted = 0  # shadows whose threads waited for CPUs other tasks held
         self.uncovered = 0  # forwards kept at the configured count: the voucher lacks the shape
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, ShadowJob] = {}
         # range -> older batches whose comparison would count toward mode 2's transition
         # window, newest last (``_backlog_job``): they run once the range's job is done
-        self._backlog: dict[int, deque[_Job]] = {}
+        self._backlog: dict[int, deque[ShadowJob]] = {}
         # range -> since when its due shadows that the learning share may pay for made no
         # progress (``starved_s``)
         self._starved_since: dict[int, float] = {}
@@ -252,51 +163,14 @@ class AdaptiveThreads:
         self._shadow_threads = 0  # the count of the shadow running now
         self._shadow_gated = False  # ... it waited for a gap (``_next_shadow``)
         self.shadows_warm = False  # the shadow loop has run every count once
-        self._idle_since = clock()  # when the last served forward ended
-        self._gaps: deque[float] = deque(maxlen=32)  # recent idle gaps between served ones
-        self._last_served = configured  # the count the last served forward ran at
-        # (end, seconds) of the served forwards that ended in the last ``busy_window_s``
-        self._served_log: deque[tuple[float, float]] = deque()
-        self._served_sum = 0.0  # ... their seconds
-        # the shadow loop waits for a gap that no served forward's end brings, only time
-        # (all that is due waits for a gap, the busy share is over ``busy_max``): a served
-        # forward that ends wakes it only once that share is under, or at ``_floor_due``
-        self._waiting_gap = False
-        self._floor_due = 0.0
-        # when a core-sharing shadow that waits for idle time (``_quiet_s``, the backoff)
-        # may start, if no served forward comes first: the shadow loop wakes then, not at
-        # its next poll (a shadow that started 30 ms into 35-ms gaps was cut into, and each
-        # one cut into doubled the idle time the next waited for, past the gaps)
-        self._sharing_at = float("inf")
+        self.gate = ShadowGate(self.settings, configured, max(self.counts), clock)
         self.frozen_beside = 0  # served forwards that froze a shadow sharing their cores
         self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
-        # idle time a shadow that shares the served forwards' cores waits for before it
-        # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
-        self._quiet_s = 0.0
-        self._quiet_since = clock()  # ... set then; it halves each ``quiet_halflife_s``
-        self._held_run = 0  # ... those in a row that other tasks' CPUs held up; the next
-        self._sharing_after = 0.0  # starts only from then (``held_streak``)
-        self._last_audit = -1e9  # when the last audit of a range serving a learned count ran
         self.served_samples = 0  # samples taken from served forwards
         self.explored = 0  # mode 2: forwards served at a vouched count to time it
         self.contended = 0  # mode 2: forwards served below the learned count under contention
         self.contention_probes = 0  # ... and at the learned count meanwhile, to see it end
-        # range -> since when it serves a count below its learned one under contention
-        self._contended_since: dict[int, float] = {}
-        # count -> the last few served forwards' time over the range's time at that count
-        # when learned (per token): how much slower each count runs on the host now
-        self._slowdowns: dict[int, deque[tuple[float, float]]] = {}  # (when, slowdown)
-        self._last_probe = -1e9
-        self._fast_probes = 0  # contention probes in a row that ran as fast as when learned
-        self.contention_freed = 0  # ... contention ended: other tasks left the cores free
-        self.slow_cores_free = 0  # ... forwards at it ran slow but its cores were free: not
-        # contention (the load itself), so it served on
-        self._free_mark: tuple[float, float] | None = None  # (when, free s): a window's start
-        # cores other tasks left this worker over the last whole window, and its start
-        self._free_rate: tuple[float, float] | None = None
-        self._free_ok = free_cpu_s is not None  # ... the last reading worked
-        self._free_at: dict[int, float] = {}  # count -> when a window last left its cores free
-        self._unseen_at = -1e9  # when a read followed a stretch no window covered (a pause)
+        self.contention = ContentionWatch(self.settings, self.counts, clock, free_cpu_s)
         self.samples_cores_busy = 0  # served samples not kept: other tasks held their cores
         # idle-class shadow time charged to ``budget_fraction``: a shadow's wall time less
         # what it spent frozen (``_frozen_s``, ``_frozen_at``: SIGSTOP) or waiting for CPUs
@@ -326,6 +200,12 @@ class AdaptiveThreads:
     comparisons = property(lambda self: self.ledger.comparisons)
     audits = property(lambda self: self.ledger.audits)
     _shadow_s = property(lambda self: self.budget.used_s)  # idle-class shadow time charged
+    _sharing_at = property(lambda self: self.gate.sharing_at)  # the shadow loop wakes then
+    # contention's, as the report and the simulator read them
+    contention_freed = property(lambda self: self.contention.freed)
+    slow_cores_free = property(lambda self: self.contention.slow_cores_free)
+    free_cpu_s = property(lambda self: self.contention.free_cpu_s,
+                          lambda self, v: setattr(self.contention, "free_cpu_s", v))
 
     # -- the record ----------------------------------------------------------------------
     def _guard(self, what: str, fn: Callable[[], object]) -> object | None:
@@ -469,8 +349,7 @@ class AdaptiveThreads:
         time counts only if no shadow ran beside it. Mode 2 with a voucher: such a range
         serves a count it lacks samples for, in turn (vouched exploration, R4.8)."""
         with self.lock:
-            if not self._busy:
-                self._gaps.append(self.clock() - self._idle_since)
+            self.gate.served_started(self.clock(), first=not self._busy)
             self._busy += 1
             self._epoch += 1
             lo = size_range(batch.padded_tokens)[0]
@@ -479,8 +358,10 @@ class AdaptiveThreads:
             wanted = n = wanted_count(r, self.configured) if learning else self.configured
             contention = None
             if learning and r is not None and r.serving and n == r.learned:
-                n, contention = self._under_contention(lo, r)
-                r = self.ranges[lo]
+                n, contention = self.contention.under_contention(lo, r, self.ledger.vouches_for)
+                if contention == "relearn":
+                    self._relearn(lo, r, None)
+                    n, contention, r = self.configured, None, self.ranges[lo]
             exploring = learning and r is not None and r.exploring
             if exploring and self.mode is AdaptiveMode.SERVE and self.voucher.vouches:
                 if not r.explore_served:  # vouched: time each count on served forwards
@@ -488,7 +369,7 @@ class AdaptiveThreads:
                     log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
                 now = self.clock()  # a count whose cores other tasks hold waits
                 n = self._explore_count(r, n, [k for k in self._need(r)
-                                               if not self._cores_busy(now, k)])
+                                               if not self.contention.cores_busy(now, k)])
             # vouched exploration and a contention fallback need the voucher, not a window
             verdict = self.ledger.may_serve(lo, n, batch.rows, int(batch.input_ids.shape[1]),
                                             explore=n != wanted)
@@ -562,195 +443,12 @@ class AdaptiveThreads:
         quiet before a run, froze at every forward of 10-s runs of short inputs at 1
         connection, thawed in the gaps that outlasted the hold: mode 1's mean 1.04-1.28x
         fixed 1's; held frozen, 1.00-1.01x."""
-        gaps = list(self._gaps)[-8:]
-        hold = min(self.settings.thaw_hold_s, 2 * statistics.median(gaps)) if gaps else 0.0
-        if self._shadow_gated and self._shadowing and \
-                self._busy_share(self.clock()) > self.settings.busy_max:
-            hold = self.settings.busy_window_s
+        hold = self.gate.thaw_hold_s(self._shadow_gated and bool(self._shadowing), self.clock())
         if self._thawer is None or hold <= 0:
             self.pause_shadows(False)
             return
         self._held, self._thaw_at = True, self.clock() + hold
         self._thaw_wake.notify_all()
-
-    def _slowdown(self, n: int) -> float:
-        """The median of the last few served forwards at ``n`` over their ranges' times at
-        ``n`` when learned (per token), from the last ``contention_fresh_s``; 1.0 (the host
-        as it was when learned) when there are none."""
-        since = self.clock() - self.settings.contention_fresh_s
-        kept = [x for at, x in self._slowdowns.get(n, ()) if at >= since]
-        return statistics.median(kept) if kept else 1.0  # a few: np.median costs 15 us
-
-    def _under_contention(self, lo: int, r: RangeLearning) -> tuple[int, str | None]:
-        """Mode 2, a range serving its learned count L: each count's time when learned
-        times how much slower that count runs on the host now (served forwards, any range)
-        says what it would take now. When L runs ``contention_slowdown`` slower than it did
-        (beyond noise) and a vouched count below it would now be faster by
-        ``contention_margin`` (a neighbour took a core: here 2 threads ran 2x slower beside
-        one CPU-bound process, 1 thread not at all), the fastest such count serves
-        meanwhile (where the free cores are read: once other tasks hold L's cores, the
-        count that fits the cores they left, ``_fits``), and one forward every
-        ``contention_probe_s`` at L tells when that is over
-        (a neighbour that comes and goes in seconds is followed within a second). Still so
-        after ``contention_relearn_s``: the range relearns under what the host is now. Where
-        the free cores can be read, no probes: it is over once other tasks leave the learned
-        count's cores (``_freed``: one ``contention_free_window_s`` after a neighbour left,
-        where a probe ran L beside it, here 2.5x slower, every 0.25 s and two fast ones in a
-        row ended it). Returns the count and why (None, "fallback" or "probe")."""
-        s, big, now = self.settings, r.learned, self.clock()
-        # read on: a whole window is there when it slows
-        rate = self._free_cores(now) if self.free_cpu_s is not None else None
-        # once contended with free cores to read, only they end it: L runs no forward
-        # meanwhile, and its slow times would only age out
-        since = self._contended_since.get(lo)
-        held = since is not None and self._free_ok
-        slowed, at_big = self._slowdown(big), r.baselines.get((big, "shadow"))
-        below = [(base * self._slowdown(n), n) for n in self.counts if n < big
-                 and (base := r.baselines.get((n, "shadow"))) is not None
-                 and self.voucher.covers_counts(n, self.configured)]
-        if at_big is None or not below or not held and (
-                slowed < s.contention_slowdown or (
-                    rate is None
-                    and at_big * slowed <= min(below)[0] * (1 + s.contention_margin))):
-            self._contended_since.pop(lo, None)
-            return big, None
-        small = self._fits(below, rate) if rate is not None else min(below)[1]
-        if since is None and self.free_cpu_s is not None and \
-                self._cores_free(now, big):
-            self.slow_cores_free += 1  # slow, but no other task holds its cores: the load
-            return big, None
-        if since is None:
-            self._contended_since[lo] = now
-            log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
-                     2 * lo - 1, small, slowed)
-        elif now - max(since, self._held_since(big)) > s.contention_relearn_s:
-            # contended all along: since it began, no window left the cores free (a range
-            # served every few seconds saw a neighbour 2 s of every 4 and relearned 6-9 times
-            # in 9 minutes on the simulator, measuring from its own first contended forward),
-            # and windows covered all of it (a pause in traffic is no sign: on the real host
-            # the first forward after 10 s without traffic relearned, ``contended_s=13``)
-            log.info("threads_relearn range=%d-%d contended_s=%.0f", lo, 2 * lo - 1,
-                     now - since)
-            self._relearn(lo, r, None)
-            return self.configured, None
-        freed = self._freed(now, big, since)
-        if freed:  # the slow times at ``big`` were the neighbour's: forget them
-            self._slowdowns.pop(big, None)
-            self._contended_since.pop(lo, None)
-            self.contention_freed += 1
-            log.info("threads_contention_over range=%d-%d serving=%d", lo, 2 * lo - 1, big)
-            return big, None
-        if freed is None and now - self._last_probe >= s.contention_probe_s:
-            self._last_probe = now
-            return big, "probe"
-        return small, "fallback"
-
-    def _fits(self, below: list[tuple[float, int]], rate: tuple[float, float]) -> int:
-        """The count a contended range serves where the free cores are read: the largest
-        vouched count below the learned one that the cores other tasks left fit (to within
-        ``contention_free_slack``), else the smallest. Not the count the slowdowns predict
-        fastest: each count's slowdown is the median over recent forwards of any range, at
-        times seconds old, and at the start of each of a toggling neighbour's phases the
-        1-thread slowdown still held the last phase's (1.4-1.55x; 1 thread then ran 1.2x
-        faster than 2, per token): beside the neighbour at 16 connections, mode 2 began
-        serving 1 thread 0.27-0.52 s into a 2-s phase, and in one of six not at all."""
-        fit = [n for _, n in below if n <= rate[0] + self.settings.contention_free_slack]
-        return max(fit) if fit else min(n for _, n in below)
-
-    def _cores_free(self, now: float, n: int) -> bool:
-        """Other tasks held less than ``contention_held_min`` of the cores ``n`` threads
-        need over the last whole window: contention does not start. Served at 2 threads
-        on this 2-core host, 16 and 1 connections, wrk on the same cores: 1.89-2.0 cores
-        free (10th-90th percentile of 0.1-s windows) with no neighbour, 1.0-1.5 beside one
-        CPU-bound process (the server process counts as the worker's own). With this bar
-        (a quarter of a core), contention began 4-17 forwards after such a neighbour came,
-        one client; with half a core, 6-46; with no bar, 5-22. Slow forwards alone started
-        it with none there (the load itself: mode 2 served 97 forwards below its learned
-        count at 16 connections, 0.94x fixed 2). False where the free cores cannot be read,
-        or no recent whole window says (forwards over a second apart): the slowdowns decide
-        alone."""
-        rate = self._free_cores(now)
-        if not self._free_ok:
-            return False
-        return rate is not None and rate[0] > n - self.settings.contention_held_min
-
-    def _freed(self, now: float, learned: int, since: float | None) -> bool | None:
-        """Contention is over: over a whole window begun after the fallback began, other
-        tasks held at most ``contention_held_end`` of the learned count's cores (under
-        ``contention_held_min``, which starts it). None where the free cores cannot be read
-        (probes tell)."""
-        rate = self._free_cores(now)
-        if rate is None:
-            return None if not self._free_ok else False
-        cores, began = rate
-        return since is not None and began >= since and \
-            cores >= learned - self.settings.contention_held_end
-
-    def _free_cores(self, now: float) -> tuple[float, float] | None:
-        """The cores other tasks left this worker over the last whole window of at least
-        ``contention_free_window_s`` between two readings of ``free_cpu_s`` (each taken
-        off the served path: reading one here opens no file), and when that window began;
-        None where they cannot be read, or before a whole window."""
-        if self.free_cpu_s is None:
-            self._free_ok = False
-            return None
-        mark, window = self._free_mark, self.settings.contention_free_window_s
-        reading = self.free_cpu_s()
-        self._free_ok = reading is not None
-        # a reading over 10 windows old says nothing of now (the reader rests while no
-        # forward asks), nor does one over 10 windows after ``mark`` (no forward read in
-        # between): what the cores did meanwhile is unknown
-        old = reading is not None and now - reading[0] > 10 * window
-        if reading is not None and not old and mark is not None and \
-                reading[0] - mark[0] < window:
-            return self._free_rate  # no whole window since the last
-        self._free_mark = None if reading is None or old else reading
-        stale = old or mark is None or reading is None or reading[0] - mark[0] > 10 * window
-        if stale:
-            self._unseen_at = now
-        self._free_rate = None if reading is None or stale else \
-            ((reading[1] - mark[1]) / (reading[0] - mark[0]), mark[0])
-        if self._free_rate is not None:  # which counts' cores this window left free (as
-            # ends contention: a window between the thresholds is no break in it, else a
-            # range contended there would neither end it nor relearn, for good)
-            end = self.settings.contention_held_end
-            self._free_at.update({n: now for n in self.counts
-                                  if self._free_rate[0] >= n - end})
-        return self._free_rate
-
-    def _cores_busy(self, now: float, n: int) -> bool:
-        """A served forward at ``n`` of a range exploring is no sample: other tasks held the
-        cores it needs (``n`` beyond the free cores by more than ``contention_free_slack``).
-        Not once windows have seen them held for
-        ``contention_relearn_s`` without a break (as contention relearns): such a neighbour
-        is the host now, and the range learns under it. Beside one that took a core 2 s of
-        every 4, a range learned from 12 samples per count inside one of its phases (mode 2
-        then served 1 thread where 2 were 1.2-1.4x faster); counted from the range's first
-        sample instead, one that explored for over 10 s kept samples of both phases (the
-        real host, 64-127 padded tokens: 8 of 15 at 2 threads the neighbour's, and it
-        learned 1 thread)."""
-        rate = self._free_cores(now)
-        if rate is None or rate[0] >= n - self.settings.contention_free_slack:
-            return False
-        return now - self._held_since(n) < self.settings.contention_relearn_s
-
-    def _held_since(self, n: int) -> float:
-        """Since when windows have seen other tasks hold ``n`` threads' cores without a
-        break: the last window that left them free, or the last read after a stretch no
-        window covered (a pause in traffic says nothing either way)."""
-        return max(self._free_at.get(n, -1e9), self._unseen_at)
-
-    def _note_slowdown(self, n: int, slowdown: float, probe: bool) -> None:
-        """A served forward at ``n`` ran ``slowdown`` times its range's time when learned.
-        Two contention probes in a row as fast as when learned end contention at once (one
-        may meet a neighbour the kernel descheduled for a moment)."""
-        kept = self._slowdowns.setdefault(n, deque(maxlen=5))
-        if probe:
-            fast = slowdown < self.settings.contention_slowdown
-            self._fast_probes = self._fast_probes + 1 if fast else 0
-            if self._fast_probes >= 2:
-                kept.clear()
-        kept.append((self.clock(), slowdown))
 
     def _explore_count(self, r: RangeLearning, serving: int, need: list[int]) -> int:
         """The count with the fewest samples among those a range needs now (ties: the one
@@ -771,21 +469,15 @@ class AdaptiveThreads:
             self._busy = max(0, self._busy - 1)
             self._epoch += 1
             now = self.clock()
-            if not self._busy:
-                self._idle_since = now
+            wake = self.gate.served_ended(now, not self._busy, result)
             if result is not None:
-                self._last_served = result.num_threads
-                self._served_log.append((now, result.forward_s))
-                self._served_sum += result.forward_s
                 self.paid.accrue(result.forward_s)
-            busy = self._busy_share(now)  # (and it forgets what left the window)
             timed = self._timed.pop(id(batch), (False, False, -1, None, False))
             if timed[0]:
                 self._paused -= 1
                 if not self._paused:
                     self._thaw()
-            if self._jobs and (not self._waiting_gap or now >= self._floor_due
-                               or busy <= self.settings.busy_max):
+            if self._jobs and wake:
                 self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or self.locked_reason is not None or self.retired is not None:
                 return
@@ -795,8 +487,8 @@ class AdaptiveThreads:
             if r.learned is not None:
                 per_token = result.forward_s * 1000 / batch.padded_tokens
                 if (base := r.baselines.get((result.num_threads, "shadow"))) is not None:
-                    self._note_slowdown(result.num_threads, per_token / base,
-                                        timed[3] == "probe")
+                    self.contention.note_slowdown(result.num_threads, per_token / base,
+                                                  timed[3] == "probe")
                 if timed[3] is None and r.phase is not Phase.VERIFYING and not (
                         r.serving and result.num_threads == r.learned > min(self.counts)):
                     # a served count that contention can fall back from relearns by
@@ -810,7 +502,7 @@ class AdaptiveThreads:
             elif timed[4] and (timed[0] or (timed[1] and timed[2] == self._shadow_epoch)):
                 # shadows frozen, or none ran beside it: clean, unless other tasks held
                 # the cores it needed
-                if self._cores_busy(now, result.num_threads):
+                if self.contention.cores_busy(now, result.num_threads):
                     self.samples_cores_busy += 1
                 else:
                     self.served_samples += 1
@@ -830,13 +522,13 @@ class AdaptiveThreads:
                     n for n in counts if n != self.configured])
             if counts:
                 # the newest batch of a range goes to the back
-                job = _Job(batch, result.outputs, result.num_threads, counts, result.forward_s)
+                job = ShadowJob(batch, result.outputs, result.num_threads, counts, result.forward_s)
                 if (old := self._jobs.pop(lo, None)) is not None:
                     self._backlog_job(lo, r, old, job)
                 self._jobs[lo] = job
                 if any(self._payable(lo, job, n) for n in counts):
                     self._starved_since.setdefault(lo, now)
-                self._waiting_gap = False
+                self.gate.waiting_gap = False
                 self.lock.notify_all()
 
     def shadow_budget_s(self) -> float:
@@ -845,14 +537,14 @@ class AdaptiveThreads:
         with self.lock:
             return self.budget.allowed_s(self.clock())
 
-    def _toward_window(self, lo: int, job: _Job) -> bool:
+    def _toward_window(self, lo: int, job: ShadowJob) -> bool:
         """``job``'s one comparison would count toward a transition window still open
         (``ExactnessLedger.toward_window``)."""
         r = self.ranges.get(lo)
         return len(job.counts) == 1 and r is not None and self.ledger.toward_window(
             lo, job.served_threads, job.counts[0], r.learned)
 
-    def _payable(self, lo: int, job: _Job, count: int) -> bool:
+    def _payable(self, lo: int, job: ShadowJob, count: int) -> bool:
         """A shadow the learning share may pay for: it times a count its exploring range
         lacks samples of, or compares toward a transition window still open (R4.5 amended;
         not audits of what a range serves, nor probes)."""
@@ -861,7 +553,7 @@ class AdaptiveThreads:
                                   self.ledger.toward_window(lo, job.served_threads, count,
                                                             r.learned))
 
-    def _backlog_job(self, lo: int, r: RangeLearning, old: _Job, new: _Job) -> None:
+    def _backlog_job(self, lo: int, r: RangeLearning, old: ShadowJob, new: ShadowJob) -> None:
         """A newer batch of range ``lo`` replaced ``old`` before its shadows ran. Where both
         would count toward the range's window, ``old`` waits in the backlog (at most
         ``window`` of them), so the next quiet moment passes the whole window instead of one
@@ -907,8 +599,9 @@ class AdaptiveThreads:
             if not self.ledger.learning or not self._jobs:
                 return False
             now = self.clock()
-            due = None if self._busy or self.budget.over(now) else self._next_shadow()
-            self._waiting_gap = due is None
+            due = None if self._busy or self.budget.over(now) else \
+                self.gate.next_shadow(now, self._jobs, self.ranges, self.mode)
+            self.gate.waiting_gap = due is None
             paid = due is None and (due := self._paid_shadow(now)) is not None
             if due is None:
                 return False
@@ -946,7 +639,7 @@ class AdaptiveThreads:
                 self.preempted += 1
                 clean = False
             if sharing:
-                self._after_sharing(result, clean, self.preempted != before)
+                self.gate.after_sharing(result, clean, self.preempted != before, self.clock())
             # a preempted one is not run again on this batch, unless it shares cores with
             # served forwards: then ``_quiet_s`` and the backoff space its tries out (the load
             # may be over; idle time alone does not: a worker with no traffic is always idle)
@@ -954,7 +647,7 @@ class AdaptiveThreads:
                                retry=sharing or self.preempted == before)
         return True
 
-    def _paid_shadow(self, now: float) -> tuple[int, _Job, int, bool] | None:
+    def _paid_shadow(self, now: float) -> tuple[int, ShadowJob, int, bool] | None:
         """The first due shadow, ranges oldest first, that the learning share may pay for
         now: its range made no progress for ``starved_s`` (no idle CPU let one run), it is
         payable (``_payable``), the share affords its expected cost, and no timed served
@@ -974,102 +667,12 @@ class AdaptiveThreads:
                     return lo, job, count, False
         return None
 
-    def _expected_s(self, lo: int, job: _Job, count: int) -> float:
+    def _expected_s(self, lo: int, job: ShadowJob, count: int) -> float:
         """How long a shadow of ``job`` at ``count`` will likely take: the count's samples in
         its range, else the served forward's time scaled by the counts' ratio."""
         r = self.ranges.get(lo)
         known = r.samples.get(count) if r is not None else None
         return typical(known) / 1000 if known else job.served_s * job.served_threads / count
-
-    def _after_sharing(self, result: ForwardResult, clean: bool, held_up: bool) -> None:
-        """A shadow that shared cores with served forwards ended: the idle time the next
-        waits for halves if it was clean, else doubles; after several in a row that other
-        tasks held up (``held_streak``, or one that a CPU-bound task held for most of its
-        length: ``held_hog``), the next waits a backoff."""
-        now = self.clock()
-        quiet_s = self._quiet(now)
-        self._quiet_s = quiet_s / 2 if clean else min(
-            self.settings.quiet_max_s, max(2 * quiet_s, 0.002))
-        self._quiet_since = now
-        if held_up:  # other tasks held its CPUs: back off in time
-            hog = (result.waited_s or 0.0) >= self.settings.held_hog * result.forward_s
-            self._held_run = max(self._held_run + 1, self.settings.held_streak if hog else 0)
-            if (more := self._held_run - self.settings.held_streak) >= 0:
-                self._sharing_after = now + min(self.settings.held_backoff_max_s,
-                                                0.1 * 2 ** min(more, 16))
-        elif clean:
-            self._held_run = 0
-
-    def _next_shadow(self) -> tuple[int, _Job, int, bool] | None:
-        """The first due shadow, ranges oldest first, that may start now, and whether it
-        shares cores with served forwards. One that only times a count (on a batch served at
-        the configured count; not mode 2's window), or audits a range serving its learned
-        count, on cores the next served forward will need too, starts only once the worker
-        has been idle ``_quiet_s`` and the next forward will likely not cut in
-        (``likely_uninterrupted``): it would be frozen and its time thrown away, and the
-        frontend's work in the gap, which no freeze covers, runs beside it; and, after one
-        that waited for CPUs other tasks held, once its backoff has passed. Such audits run
-        at least every ``audit_floor_s`` whatever the load. The other comparisons (the
-        window, audits of what a range served while it explored, a count that fits beside
-        the count served) always run, unfrozen beside served forwards that are not timed;
-        in a quiet gap, one that needs the gap goes first (mode 1 on 2 cores: a 15-ms
-        1-thread shadow took the first half of each 35-ms gap and every 2-thread one that
-        followed was cut into)."""
-        now = self.clock()
-        idle_s = now - self._idle_since
-        calm, quiet_s = self._busy_share(now) <= self.settings.busy_max, self._quiet(now)
-        quiet = idle_s >= quiet_s and calm
-        self._floor_due = self._sharing_at = float("inf")
-        anytime: tuple[int, _Job, int, bool] | None = None
-        for lo, job in self._jobs.items():
-            r = self.ranges.get(lo)
-            for count in job.counts:
-                window = self.mode is AdaptiveMode.SERVE and r is not None and \
-                    r.learned == count and not r.serving
-                audit = r is not None and r.serving and job.served_threads != self.configured
-                if audit and now - self._last_audit >= self.settings.audit_floor_s:
-                    self._last_audit = now  # the floor: whatever the load
-                    return lo, job, count, False
-                if audit:
-                    self._floor_due = self._last_audit + self.settings.audit_floor_s
-                if count + self._last_served <= max(self.counts) or window or (
-                        job.served_threads != self.configured and not audit):
-                    if not quiet:
-                        return lo, job, count, False
-                    anytime = anytime or (lo, job, count, False)
-                    continue  # the gap goes to a shadow that needs one, if any may start
-                known = r.samples.get(count) if r is not None else None
-                need_s = typical(known) / 1000 if known else \
-                    job.served_s * job.served_threads / count
-                if quiet and now >= self._sharing_after and \
-                        likely_uninterrupted(self._gaps, idle_s, need_s):
-                    if audit:
-                        self._last_audit = now
-                    return lo, job, count, True
-                if calm:  # the shadow loop wakes when the idle time it waits for is reached
-                    self._sharing_at = min(self._sharing_at, max(
-                        self._idle_since + quiet_s, self._sharing_after))
-        return anytime
-
-    def _quiet(self, now: float) -> float:
-        """The idle time a core-sharing shadow waits for now (``_quiet_s``, decayed)."""
-        return self._quiet_s * 0.5 ** (max(0.0, now - self._quiet_since) /
-                                       self.settings.quiet_halflife_s)
-
-    def _busy_share(self, now: float) -> float:
-        """The share of the last ``busy_window_s`` that served forwards took. Above
-        ``busy_max`` requests queue, and any time a shadow takes from them comes back
-        amplified in their latency (a 1-thread worker at 60% of capacity: mode 1's p99 went
-        1.7x with shadows that fitted the gaps)."""
-        since, kept = now - self.settings.busy_window_s, self._served_log
-        while kept and kept[0][0] <= since:
-            self._served_sum -= kept.popleft()[1]
-        if not kept:
-            self._served_sum = 0.0  # no rounding carried over
-            return 0.0
-        end, first = kept[0]  # the oldest may have begun before the window
-        return (self._served_sum - max(0.0, first - (end - since))) / \
-            self.settings.busy_window_s
 
     def run_shadow(self, batch: TokenBatch, count: int, paid: bool = False) -> ForwardResult:
         """One shadow forward (a due one, or a warm-up), counted as running meanwhile;
@@ -1085,7 +688,7 @@ class AdaptiveThreads:
                 self._shadowing -= 1
                 self._shadow_epoch += 1
 
-    def _after_shadow(self, lo: int, job: _Job, count: int, result: ForwardResult,
+    def _after_shadow(self, lo: int, job: ShadowJob, count: int, result: ForwardResult,
                       clean: bool, retry: bool = True, paid: bool = False) -> None:
         """A shadow ended: the ledger compares it with the served answer (a difference is
         drift); a clean one is a sample (what it would cost a served forward:
@@ -1192,10 +795,11 @@ class AdaptiveThreads:
 
     def _relearn(self, lo: int, r: RangeLearning, keep_serving: int | None) -> None:
         self.ranges[lo] = relearn(r, keep_serving)
-        self._contended_since.pop(lo, None)
+        self.contention.forget(lo)
         self._forget_jobs(lo)
 
-    def _drift(self, job: _Job, count: int, result: ForwardResult, at: tuple[int, ...]) -> None:
+    def _drift(self, job: ShadowJob, count: int, result: ForwardResult,
+               at: tuple[int, ...]) -> None:
         event = DriftEvent(job.batch.padded_tokens, job.served_threads, count, at,
                            float(job.outputs[at]), float(result.outputs[at]), time.time(),
                            job.batch.rows, self.worker)

@@ -57,7 +57,8 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                   for lo, r in t.ranges.items()}
         passes = {lo: t.ledger.progress(lo, r.learned) for lo, r in ranges.items()
                   if r.learned is not None}
-        slowdown = {str(n): round(t._slowdown(n), 3) for n in sorted(t._slowdowns)}
+        c = t.contention
+        slowdown = {str(n): round(c.slowdown(n), 3) for n in sorted(c._slowdowns)}
         paid = t.paid
         served_s = paid.served_s
     return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,

@@ -1,0 +1,87 @@
+"""The tuner's settings (R4.5-R4.7, R4.11): every knob of adaptive threads in one frozen
+dataclass, each with its default and why. A value chosen from one run on one host is a guess
+and says so."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_srun.tuner.share import DEFAULT_SHARE
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    min_samples: int = 12  # clean timed shadows per count per range before a count is learned
+    window: int = 8  # mode 2: consecutive verified shadows before a learned count serves
+    margin: float = 0.05  # a non-configured count must be this much faster
+    audit_every: int = 8  # every Nth forward of a learned range: a probe (and audit) shadow
+    budget_fraction: float = 0.5  # shadow time at most this share of wall time
+    # ... of which idle time banks at most this long's worth: over any stretch, shadows
+    # take at most ``budget_fraction`` of it plus ``budget_fraction * budget_window_s``
+    # (5 s at 0.5; a back-to-back burst after an idle stretch: 10 s at most). Unbanked, an
+    # idle hour let half an hour of shadows run in one go. A guess, not swept: a few of the
+    # longest shadows (the longest L6 inputs run about a second at 1 thread, FACTS.md) or
+    # a whole transition window of short ones fit in it, so a lull after load still
+    # passes a range's window in one go
+    budget_window_s: float = 10.0
+    relearn_factor: float = 1.5  # time at the learned count moved this much: explore again
+    relearn_window: int = 16  # served forwards at one count each relearning check rests on
+    probe_window: int = 4  # probe shadows at one count each relearning check rests on
+    flush_s: float = 2.0  # how often learnings are written to the record
+    max_samples: int = 48  # recent samples per count per range that decisions rest on
+    background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
+    watch_s: float = 0.5  # how often drift and the voucher are read back from the record
+    # mode 2 under contention: a learned count that now runs slower than a count below it
+    # would (host-wide slowdowns of each count, served forwards)
+    contention_slowdown: float = 1.25  # once it runs this much slower than when learned
+    contention_margin: float = 0.1  # ... by this much: that count serves meanwhile,
+    contention_probe_s: float = 0.25  # one forward at the learned count this often tells when
+    contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
+    contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
+    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it starts only
+    # once other tasks hold at least ``contention_held_min`` of the learned count's cores
+    # over a window of ``contention_free_window_s``, and is over once a window begun after
+    # it started sees them hold at most ``contention_held_end``: below the start, so a
+    # reading between the two neither starts nor ends it (with the end at 0.5, above the
+    # start, any reading between both started and ended it, flapping window by window).
+    # 0.125: an eighth of a core, under half the start; a quiet host's 0.1-s windows read
+    # 0-0.11 held (10th-90th percentile, ``_cores_free``), so most quiet windows end it
+    # (one measurement on one 2-core host: a guess, not swept)
+    contention_free_window_s: float = 0.1
+    contention_held_min: float = 0.25
+    contention_held_end: float = 0.125
+    # which counts fit the cores other tasks leave (``_fits``, ``_cores_busy``): to within
+    # this much of a core
+    contention_free_slack: float = 0.5
+    quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
+    # ... which halves each this many seconds too: gaps shorter than it, always, would
+    # otherwise keep every such shadow out for good (mode 1 under steady 35-ms gaps, after
+    # a few shadows were cut into: 17 comparisons in 30 s, none timed)
+    quiet_halflife_s: float = 1.0
+    # core-sharing shadows whose threads waited for CPUs other tasks held, this many in a
+    # row: the next starts 0.1 s after, doubling with each more up to ``held_backoff_max_s``
+    # (a clean one ends the run): an idle worker retrying at once beside another busy
+    # server cost that one's forwards 15-20%. Not after one alone: on 2 cores the frontend
+    # and the client hold a CPU in part of each gap, and backing off after each such one
+    # kept mode 1 from timing 2 threads at all under steady traffic
+    held_streak: int = 3
+    # ... but after one alone where its threads waited this share of its time or more: a
+    # CPU-bound task held a CPU throughout (over 1.0 beside one such process here). Retried
+    # up to the streak beside a neighbour on one core half the time, mode 2 froze 705 shadows
+    # for served forwards in a 5-minute bench section; with this, 317 (one run each; the
+    # backoff after every held-up one: 47)
+    held_hog: float = 0.5
+    held_backoff_max_s: float = 8.0
+    audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
+    busy_max: float = 0.3  # ... and only while served forwards took at most this share of
+    busy_window_s: float = 1.0  # the last this many seconds
+    thaw_hold_s: float = 0.005  # a frozen shadow side stays so this long at most after a
+    # served forward ends (twice the recent idle gaps): back-to-back forwards, one freeze
+    # R4.5 amended: where no idle CPU comes, learning takes at most this share of served
+    # forward time (``share.PaidShare``; ``--learning-share``)
+    learning_share: float = DEFAULT_SHARE
+    # ... for a due shadow (mode 2's window, or timing a count mode 1 lacks samples of) of a
+    # range that made no progress in this long: the gaps of Poisson traffic at half of
+    # capacity are tens of ms, so a second without one that lets it run is no idle CPU; short
+    # against the two minutes in which learning must complete (a guess, not swept)
+    starved_s: float = 1.0
