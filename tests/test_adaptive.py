@@ -217,18 +217,17 @@ def test_a_shadow_frozen_or_waiting_for_cpus_charges_only_the_time_it_ran(backen
 
     tuner, now = budget_tuner(backends)
     frozen = []
-    tuner._pause_raw = lambda f: frozen.append(f) or f  # the shadow side: frozen, thawed
-    tuner.pause_shadows = tuner._pause
+    tuner.freezer._pause = lambda f: frozen.append(f) or f  # the shadow side: frozen, thawed
     real = tuner.shadow_forward
 
     def shadow(batch, n):  # runs 0.2 s, 5 s frozen between, and waits 0.4 s per thread
         result = real(batch, n)
         now[0] += 0.1
         with tuner.lock:
-            tuner.pause_shadows(True)
+            tuner.freezer.pause(True)
         now[0] += 5.0
         with tuner.lock:
-            tuner.pause_shadows(False)
+            tuner.freezer.pause(False)
         now[0] += 0.1 + 0.4
         return ForwardResult(result.outputs, n, n, 5.6, 0.4 * n)
 

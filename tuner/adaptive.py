@@ -1,66 +1,35 @@
-"""Adaptive threads (R4.3-R4.7, R4.11): learn the fastest intra-op count per input-size range
-from timed shadow passes that must reproduce the served answer bit for bit.
+"""Adaptive threads (R4.3-R4.8, R4.11-R4.13): the coordinator of one worker's learning.
 
-How it works: the engine asks ``served_threads`` right before each served forward and tells
-``observe`` right after it ends. A served batch becomes a shadow job (the latest per size
-range) listing the counts still to run on it (``policy.shadow_plan``). Jobs run in a process
-of the tuner's own in ``SCHED_IDLE`` (``ShadowLoop`` hands them over): the kernel gives shadows
-only CPU time no served forward wants, and no lock a served forward needs is held across a
-shadow. A shadow starts only while no served forward runs; if one ran at any moment of it, its
-time is not a sample (``policy.clean_window``), nor is it if its threads waited for CPUs that
-any other task held (``policy.preempted``: the frontend, a neighbour, another worker's load);
-the count stays due, so the batch is run again later.
+The engine asks ``served_threads`` right before each served forward and tells ``observe``
+right after it ends; the shadow loop (``shadows.ShadowLoop``) calls ``step``; a record watch
+calls ``poll_record``. Each call reads plain state and asks the parts that decide:
 
-Idle class is not free where a shadow shares cores with served work (its count plus the served
-one over the budget): here a 2-thread idle-class shadow beside 1-thread served forwards made
-them 1.5x slower, a 1-thread one not at all. So a shadow that only times a count on such
-cores starts only when the worker has been idle long enough that the next served forward will
-likely not cut in (recent idle gaps; ``_quiet_s`` doubles each time one was cut in on and
-halves each second), and a served forward that cuts in freezes it (held frozen a few ms
-after, in case the next one follows at once): under closed-loop load, where every gap is a
-client's turnaround, such shadows wait for the load to pause instead of being started, frozen
-and thrown away.
-Comparisons (mode 2's window, audits of what exploring served) run whenever no served forward
-does, unfrozen; audits of a range serving its learned count wait for a gap too, but run at
-least every ``audit_floor_s``. A newer batch of a range replaces its older one, except that
-batches whose comparison counts toward mode 2's window wait in a backlog of up to ``window``
-(``_backlog_job``): under bursts of load the first lull passes the whole window.
+- ``ledger.ExactnessLedger``: the only gate on what is served (golden check, voucher,
+  transition window, drift). Every shadow is compared bit for bit with the served answer;
+  an agreement moves the window on, any difference retires learning for good (R4.7).
+- ``ranges``: each range's phase (EXPLORING, RELEARNING, LEARNED, VERIFYING, SERVING), moved
+  only by ``learn``, ``settle`` and ``relearn``; the report shows the same state.
+- ``estimator``: a count's time per range under the load the worker sees (the median of
+  recent samples with its interval), the rule that chooses a count, the change detector.
+- ``scheduling.ShadowGate`` and ``freezer.Freezer``: when an idle-class shadow may start
+  (never while a served forward runs; one sharing the served cores only in gaps that will
+  likely fit) and freezing the shadow side beside timed served forwards.
+- ``share``: the idle-class budget, and the paid share: where no idle CPU comes, a starved
+  shadow the window or timing needs runs at normal priority, paid from ``learning_share``
+  of served forward time (R4.5 amended).
+- ``jobs.JobBoard``: the due batch per range and the backlog of window comparisons.
+- ``contention.ContentionWatch``: mode 2 serving a count below the learned one while other
+  tasks hold its cores (not yet folded into the estimator).
 
-Served forwards are samples too: while a range explores, each of its served forwards is timed
-at the count it ran at, with the shadow process frozen (``pause_shadows``: SIGSTOP) for its
-length, or, where nothing can freeze it, only if no shadow ran beside it. Other served forwards
-leave shadows running beside them in ``SCHED_IDLE`` (freezing for every forward was measured
-to cost more served latency than it saved). Mode 2 with a voucher: a range still exploring
-serves the counts it lacks samples for, in turn, where the voucher covers count and shape (the
-answer is the same at every vouched count; a shadow audits it at the configured count), so it
-times each count as served traffic runs it (normal priority, beside whatever the host runs;
-an idle-class shadow beside a CPU-bound neighbour gets no CPU and times badly), needs no gap,
-and every range that load keeps reaching is learned while the load lasts. The shadows at a
-count that matched served answers while the range explored count toward its window.
+Samples: a range exploring times each count on its served forwards (the shadow side frozen
+meanwhile, or none beside it) and on shadows; mode 2 with a voucher serves the counts it
+lacks samples for in turn (vouched exploration), audited at the configured count. Once
+learned, every ``audit_every``-th forward gets a probe shadow at another count, and forwards
+at a count that moved by ``relearn_factor`` from that same count when learned relearn the
+range (R4.11). A new worker learns from fresh samples; drift and vouchers survive restarts.
 
-Every shadow, timed or not, is compared bit for bit with the served answer. Equal: a
-comparison (and mode 2's transition window moves on). Any difference is drift: learning
-retires for good for this scope (stored durably) and every range serves the configured count.
-
-A count is learned once every allowed count has ``min_samples`` clean samples; it then stays
-until relearning (R4.11): forwards at each count are compared with forwards at that same
-count when the range was learned (every ``audit_every``-th served forward gets a probe shadow
-at another count, in turn, compared with the samples it was learned from; served forwards
-with the first ones served after learning), and a range where one count's time moved by
-``relearn_factor`` either way explores again from fresh samples (when a probe moved, mode 2
-goes on serving the count it had verified until the new one passes its window; when the
-served count itself moved, it serves the configured count meanwhile; a count that passed its
-window for the range in this worker serves at once when relearnt). A new worker starts from
-fresh samples too; the record keeps the old ones as history, and its drift and voucher hold.
-
-Drift is host-wide (R4.8): a ``RecordWatch`` thread of the tuner's own reads the record's
-drift and voucher every ``watch_s``, so a drift any worker of the scope recorded retires this
-one too, within a second; a served forward only reads the tuner's own fields.
-
-Invariant: mode 1 serves every forward at the configured count; mode 2 serves a learned count
-for a forward only while the record vouches for that count and that forward's shape (rows x
-padded length; R4.8), the count passed ``window`` consecutive verified shadows, and no drift
-was seen by any worker of the scope.
+Invariant: mode 1 serves every forward at the configured count; mode 2 serves another count
+for a forward only where ``ExactnessLedger.may_serve`` admits it for that forward's shape.
 """
 
 from __future__ import annotations
@@ -70,12 +39,12 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_srun.records.host_record import DriftEvent, HostRecord, HostRecordError, Scope
+from vllm_srun.records.host_record import DriftEvent, HostRecord, Scope
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.sizes import size_range
@@ -88,8 +57,11 @@ from vllm_srun.tuner.estimator import (
     served_cost_ms,
     typical,
 )
+from vllm_srun.tuner.freezer import Freezer
+from vllm_srun.tuner.jobs import JobBoard
 from vllm_srun.tuner.ledger import ExactnessLedger, Refusal, first_difference, output_bits
 from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.persistence import RecordSync
 from vllm_srun.tuner.policy import clean_window, preempted, shadow_plan
 from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, relearn, settle, wanted_count
 from vllm_srun.tuner.scheduling import ShadowGate, ShadowJob
@@ -102,6 +74,21 @@ __all__ = ["AdaptiveThreads", "RangeLearning", "TunerSettings", "output_bits"]
 log = logging.getLogger(__name__)
 
 Forward = Callable[[TokenBatch, int], ForwardResult]
+
+
+@dataclass
+class Tally:
+    """What timed and checked what (the report's ``learning`` section)."""
+
+    discarded: int = 0  # shadows whose time overlapped a served forward
+    preempted: int = 0  # shadows whose threads waited for CPUs other tasks held
+    uncovered: int = 0  # forwards kept at the configured count: the voucher lacks the shape
+    frozen_beside: int = 0  # served forwards that froze a shadow sharing their cores
+    served_samples: int = 0  # samples taken from served forwards
+    explored: int = 0  # mode 2: forwards served at a vouched count to time it
+    contended: int = 0  # mode 2: forwards served below the learned count under contention
+    contention_probes: int = 0  # ... and at the learned count meanwhile, to see it end
+    samples_cores_busy: int = 0  # served samples not kept: other tasks held their cores
 
 
 class AdaptiveThreads:
@@ -119,33 +106,23 @@ class AdaptiveThreads:
                  free_cpu_s: Callable[[], tuple[float, float] | None] | None = None,
                  paid_forward: Forward | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
-        self.scope, self.record, self.forward = scope, record, forward
+        self.sync = RecordSync(record, scope, clock)
+        self.forward = forward
         self.shadow_forward = shadow_forward or forward
         # a shadow the learning share pays for: the shadow side at normal priority
         self.paid_forward = paid_forward or self.shadow_forward
         self.settings = settings or TunerSettings()
         self.clock = clock
         self.on_close = on_close
-        # freezes (True) and thaws; says if it is frozen (``_pause``: how long it was)
-        self._pause_raw = pause_shadows
-        self.pause_shadows = self._pause if pause_shadows is not None else None
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.ledger = ExactnessLedger(mode, configured, self.settings.window)
-        self.record_error: str | None = None
         self.shadow_error: str | None = None
         self.shadow_faults = 0  # shadow forwards that failed (a ShadowProcess restarts)
         self.ranges: dict[int, RangeLearning] = {}
-        self.discarded = 0  # shadows whose time overlapped a served forward
-        self.preempted = 0  # shadows whose threads waited for CPUs other tasks held
-        self.uncovered = 0  # forwards kept at the configured count: the voucher lacks the shape
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
-        self._jobs: dict[int, ShadowJob] = {}
-        # range -> older batches whose comparison would count toward mode 2's transition
-        # window, newest last (``_backlog_job``): they run once the range's job is done
-        self._backlog: dict[int, deque[ShadowJob]] = {}
-        # range -> since when its due shadows that the learning share may pay for made no
-        # progress (``starved_s``)
-        self._starved_since: dict[int, float] = {}
+        self.tally = Tally()  # what timed and checked what, for the report
+        self.freezer = Freezer(pause_shadows, self.lock, clock)
+        self.board = JobBoard(self.settings.window, self._toward_window)
         self.paid = PaidShare(self.settings.learning_share)
         self._shadow_paid = False  # the shadow running now is a paid one: never frozen
         self._busy = 0  # served forwards running now
@@ -155,25 +132,13 @@ class AdaptiveThreads:
         # served forwards running: id(batch) -> (it froze the shadow side, no shadow could
         # run at its start, shadow epoch then, contention's reason, it may be a sample)
         self._timed: dict[int, tuple[bool, bool, int, str | None, bool]] = {}
-        self._paused = 0  # served forwards running with the shadow side frozen
-        self._held = False  # ... none now, but it stays frozen until ``_thaw_at``
-        self._thaw_at = 0.0
-        self._thaw_wake = threading.Condition(self.lock)
-        self._thawer: Thawer | None = None
         self._shadow_threads = 0  # the count of the shadow running now
         self._shadow_gated = False  # ... it waited for a gap (``_next_shadow``)
         self.shadows_warm = False  # the shadow loop has run every count once
         self.gate = ShadowGate(self.settings, configured, max(self.counts), clock)
-        self.frozen_beside = 0  # served forwards that froze a shadow sharing their cores
-        self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
-        self.served_samples = 0  # samples taken from served forwards
-        self.explored = 0  # mode 2: forwards served at a vouched count to time it
-        self.contended = 0  # mode 2: forwards served below the learned count under contention
-        self.contention_probes = 0  # ... and at the learned count meanwhile, to see it end
         self.contention = ContentionWatch(self.settings, self.counts, clock, free_cpu_s)
-        self.samples_cores_busy = 0  # served samples not kept: other tasks held their cores
         # idle-class shadow time charged to ``budget_fraction``: a shadow's wall time less
-        # what it spent frozen (``_frozen_s``, ``_frozen_at``: SIGSTOP) or waiting for CPUs
+        # what it spent frozen (``Freezer.frozen_total``: SIGSTOP) or waiting for CPUs
         # (its threads' run delay, per thread): a shadow frozen through a burst of load took
         # no CPU, and charged its wall time, one held frozen through 16-connection bursts
         # spent the budget for minutes (mode 2: 0-1 window passes per range in 2 minutes,
@@ -181,13 +146,7 @@ class AdaptiveThreads:
         self.budget = ShadowBudget(self.settings.budget_fraction, self.settings.budget_window_s,
                                    clock())
         self.shadow_wall_s = 0.0  # ... and what they took in wall time
-        self._frozen_s, self._frozen_at = 0.0, None  # frozen so far; since when, if frozen
-        self._last_flush = clock()
-        self._dirty_samples: dict[tuple[int, int], list[float]] = {}
-        self._dirty_learned: set[int] = set()
-        self._unflushed_comparisons = 0
         self._loop: ShadowLoop | None = None
-        self._record_watch: RecordWatch | None = None
         self._load()
 
     # -- the ledger's state, as the report, the simulator and tests read it ---------------
@@ -201,6 +160,16 @@ class AdaptiveThreads:
     audits = property(lambda self: self.ledger.audits)
     _shadow_s = property(lambda self: self.budget.used_s)  # idle-class shadow time charged
     _sharing_at = property(lambda self: self.gate.sharing_at)  # the shadow loop wakes then
+    replaced = property(lambda self: self.board.replaced)
+    discarded = property(lambda self: self.tally.discarded)
+    preempted = property(lambda self: self.tally.preempted)
+    uncovered = property(lambda self: self.tally.uncovered)
+    frozen_beside = property(lambda self: self.tally.frozen_beside)
+    served_samples = property(lambda self: self.tally.served_samples)
+    explored = property(lambda self: self.tally.explored)
+    contended = property(lambda self: self.tally.contended)
+    contention_probes = property(lambda self: self.tally.contention_probes)
+    samples_cores_busy = property(lambda self: self.tally.samples_cores_busy)
     # contention's, as the report and the simulator read them
     contention_freed = property(lambda self: self.contention.freed)
     slow_cores_free = property(lambda self: self.contention.slow_cores_free)
@@ -208,59 +177,41 @@ class AdaptiveThreads:
                           lambda self, v: setattr(self.contention, "free_cpu_s", v))
 
     # -- the record ----------------------------------------------------------------------
-    def _guard(self, what: str, fn: Callable[[], object]) -> object | None:
-        if self.record is None:
-            return None
-        try:
-            return fn()
-        except HostRecordError as exc:
-            self.record_error = str(exc)
-            log.error("host_record_failed action=%s error=%s", what, exc)
-            return None
+    scope = property(lambda self: self.sync.scope)
+    record = property(lambda self: self.sync.record)
+    record_error = property(lambda self: self.sync.error,
+                            lambda self, v: setattr(self.sync, "error", v))
 
     def _load(self) -> None:
         """Drift retirement and the voucher survive a restart; stored samples and learned
         counts are history: a new worker learns from fresh samples (R4.11)."""
-        record = self.record
-        if record is None:
-            return
-        event = self._guard("read_drift", lambda: record.drift(self.scope))
+        event = self.sync.guard("read_drift", lambda rec: rec.drift(self.scope))
         if event is not None:
             self.ledger.retire(event)
-        self.voucher = self._guard("read_voucher", lambda: record.voucher(self.scope)) or \
-            self.voucher
+        self.voucher = self.sync.guard("read_voucher", lambda rec: rec.voucher(self.scope)) \
+            or self.voucher
+
+    def flush_due(self) -> bool:
+        """Learnings wait to be written and ``flush_s`` has passed since the last flush."""
+        with self.lock:
+            return bool(self.sync.pending) and \
+                self.clock() - self.sync.last_flush >= self.settings.flush_s
 
     def flush(self) -> None:
         """Write pending samples, learned counts and traffic comparisons to the record."""
-        record = self.record
         with self.lock:
-            self._last_flush = self.clock()
-            samples, self._dirty_samples = self._dirty_samples, {}
+            taken = self.sync.take(self.clock())
             learned = {lo: (r.learned, self._speedup(r), self.ledger.progress(lo, r.learned))
-                       for lo in self._dirty_learned if (r := self.ranges[lo]).learned}
-            self._dirty_learned = set()
-            comparisons, self._unflushed_comparisons = self._unflushed_comparisons, 0
-        if record is None:
-            return
-
-        def write() -> None:
-            for (lo, n), ms in samples.items():
-                record.add_samples(self.scope, lo, n, ms)
-            for lo, (n, up, streak) in learned.items():
-                record.put_learned(self.scope, lo, n, up, streak)
-            if comparisons:
-                record.add_voucher(self.scope, "traffic", comparisons, 0)
-
-        self._guard("flush", write)
+                       for lo in taken.learned if (r := self.ranges[lo]).learned}
+        self.sync.write(taken, learned)
 
     def poll_record(self) -> None:
         """Read drift and the voucher back from the record (the watch thread): a drift any
         worker of the scope recorded retires this one; a new sweep or a reset shows here."""
-        record = self.record
-        if record is None or self.retired is not None:
+        if self.record is None or self.retired is not None:
             return
-        event = self._guard("read_drift", lambda: record.drift(self.scope))
-        voucher = self._guard("read_voucher", lambda: record.voucher(self.scope))
+        event = self.sync.guard("read_drift", lambda rec: rec.drift(self.scope))
+        voucher = self.sync.guard("read_voucher", lambda rec: rec.voucher(self.scope))
         with self.lock:
             if voucher is not None:
                 self.voucher = voucher
@@ -274,16 +225,8 @@ class AdaptiveThreads:
                     self._settle(lo, r)
 
     def close(self) -> None:
-        with self.lock:
-            if self._paused or self._held:  # frozen: thaw before closing
-                self._paused, self._held = 0, False
-                self.pause_shadows(False)
-        if self._thawer is not None:
-            self._thawer.stop()
-            self._thawer = None
-        if self._record_watch is not None:
-            self._record_watch.stop()
-            self._record_watch = None
+        self.freezer.close()
+        self.sync.stop_watch()
         loop, self._loop = self._loop, None
         if loop is not None and not loop.stop(STOP_WAIT_S):
             # a shadow in flight did not end (a hung child): closing the shadow side ends it
@@ -307,7 +250,7 @@ class AdaptiveThreads:
         outputs = np.concatenate([self.forward(b, self.configured).outputs.reshape(-1)
                                   for b in batches])
         digest = hashlib.sha256(output_bits(outputs).tobytes()).hexdigest()[:32]
-        stored = self._guard("read_golden", lambda: self.record.golden(self.scope))
+        stored = self.sync.guard("read_golden", lambda rec: rec.golden(self.scope))
         if stored is None:
             if reference is not None and (err := float(
                     np.abs(outputs - reference.reshape(-1)).max())) \
@@ -316,7 +259,7 @@ class AdaptiveThreads:
                                       f"artifact's reference outputs by {err:.2e} "
                                       f"(tolerance {tolerance:.0e})")
                 return self.locked_reason
-            self._guard("write_golden", lambda: self.record.put_golden(self.scope, digest))
+            self.sync.guard("write_golden", lambda rec: rec.put_golden(self.scope, digest))
         elif stored != digest:
             self.locked_reason = (
                 f"golden check failed: answers at {self.configured} threads differ from this "
@@ -331,10 +274,8 @@ class AdaptiveThreads:
         self.budget.restart(self.clock())
         if self.settings.background and self.retired is None:
             self._loop = ShadowLoop(self, batches[0])
-            if self.pause_shadows is not None:
-                self._thawer = Thawer(self)
-            if self.record is not None:
-                self._record_watch = RecordWatch(self.poll_record, self.settings.watch_s)
+            self.freezer.start()
+            self.sync.watch(self.poll_record, self.settings.watch_s)
         log.info("threads_golden_passed mode=%d configured=%d counts=%s retired=%s",
                  self.mode, self.configured, list(self.counts), self.retired is not None)
         return None
@@ -374,14 +315,14 @@ class AdaptiveThreads:
             verdict = self.ledger.may_serve(lo, n, batch.rows, int(batch.input_ids.shape[1]),
                                             explore=n != wanted)
             if not verdict.allowed:
-                self.uncovered += verdict.refusal is Refusal.UNCOVERED  # R4.8: the shape
+                self.tally.uncovered += verdict.refusal is Refusal.UNCOVERED  # R4.8: the shape
                 n = self.configured
             elif contention == "fallback":
-                self.contended += 1
+                self.tally.contended += 1
             elif contention == "probe":
-                self.contention_probes += 1
+                self.tally.contention_probes += 1
             elif n != wanted:
-                self.explored += 1
+                self.tally.explored += 1
             self._timed[id(batch)] = self._freeze_for(n, sampling=r is None or exploring,
                                                       contention=contention)
             return n
@@ -399,56 +340,12 @@ class AdaptiveThreads:
         threads to stop it, and again to thaw it). Returns what ``observe`` reads back."""
         sharing = self._shadowing and self._shadow_gated and \
             self._shadow_threads + n > max(self.counts)
-        want = self.pause_shadows is not None and self._shadowing and \
-            not self._shadow_paid and (sampling or sharing)
-        if self._held:  # still frozen since the last forward: no signal either way
-            self._held = False
-            frozen = bool(want) or self.pause_shadows(False)
-        else:
-            frozen = want and self.pause_shadows(True)
-        if frozen:
-            self._paused += 1
-            self.frozen_beside += sharing
+        want = self.freezer.available and bool(self._shadowing) and \
+            not self._shadow_paid and bool(sampling or sharing)
+        frozen = self.freezer.served_started(want)
+        self.tally.frozen_beside += frozen and bool(sharing)
         return (frozen, frozen or not self._shadowing, self._shadow_epoch, contention,
                 sampling)
-
-    def _pause(self, frozen: bool) -> bool:
-        """``pause_shadows``, keeping the time the shadow side spent frozen."""
-        now, is_frozen = self.clock(), self._pause_raw(frozen)
-        if is_frozen and self._frozen_at is None:
-            self._frozen_at = now
-        elif not is_frozen and self._frozen_at is not None:
-            self._frozen_s += now - self._frozen_at
-            self._frozen_at = None
-        return is_frozen
-
-    def _frozen_total(self, now: float) -> float:
-        """Seconds the shadow side has spent frozen, up to ``now``."""
-        return self._frozen_s + (now - self._frozen_at if self._frozen_at is not None else 0.0)
-
-    def _thaw(self) -> None:
-        """The last served forward that froze the shadow side ended: thaw it, or, with the
-        thawer running, hold it frozen for twice the recent idle gaps (at most
-        ``thaw_hold_s``): under back-to-back load the next forward starts meanwhile and
-        finds it frozen, instead of a thaw and a freeze per forward, each waking every
-        thread of the shadow process for the few moments of CPU a gap that short gives it
-        (not measured apart: with the hold, mode 2 at 16 connections went from 0.85x to
-        1.04x fixed 2 in one A/B, where comparisons were no longer frozen too).
-
-        A shadow that waited for a gap on the served forwards' cores (``_shadow_gated``)
-        while served forwards take over ``busy_max`` of the time stays frozen until they
-        no longer do (checked at each served forward's end, and ``busy_window_s`` after the
-        last): thawed in the gaps, it would be cut into again at once, and it could not be
-        a sample anyway (served forwards overlapped it). One such shadow, started in the
-        quiet before a run, froze at every forward of 10-s runs of short inputs at 1
-        connection, thawed in the gaps that outlasted the hold: mode 1's mean 1.04-1.28x
-        fixed 1's; held frozen, 1.00-1.01x."""
-        hold = self.gate.thaw_hold_s(self._shadow_gated and bool(self._shadowing), self.clock())
-        if self._thawer is None or hold <= 0:
-            self.pause_shadows(False)
-            return
-        self._held, self._thaw_at = True, self.clock() + hold
-        self._thaw_wake.notify_all()
 
     def _explore_count(self, r: RangeLearning, serving: int, need: list[int]) -> int:
         """The count with the fewest samples among those a range needs now (ties: the one
@@ -474,10 +371,9 @@ class AdaptiveThreads:
                 self.paid.accrue(result.forward_s)
             timed = self._timed.pop(id(batch), (False, False, -1, None, False))
             if timed[0]:
-                self._paused -= 1
-                if not self._paused:
-                    self._thaw()
-            if self._jobs and wake:
+                self.freezer.served_ended(lambda: self.gate.thaw_hold_s(
+                    self._shadow_gated and bool(self._shadowing), self.clock()))
+            if self.board.jobs and wake:
                 self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or self.locked_reason is not None or self.retired is not None:
                 return
@@ -503,9 +399,9 @@ class AdaptiveThreads:
                 # shadows frozen, or none ran beside it: clean, unless other tasks held
                 # the cores it needed
                 if self.contention.cores_busy(now, result.num_threads):
-                    self.samples_cores_busy += 1
+                    self.tally.samples_cores_busy += 1
                 else:
-                    self.served_samples += 1
+                    self.tally.served_samples += 1
                     self._sample(lo, r, result.num_threads, result.forward_s * 1000,
                                  batch.padded_tokens)
                     r = self.ranges[lo]
@@ -523,11 +419,9 @@ class AdaptiveThreads:
             if counts:
                 # the newest batch of a range goes to the back
                 job = ShadowJob(batch, result.outputs, result.num_threads, counts, result.forward_s)
-                if (old := self._jobs.pop(lo, None)) is not None:
-                    self._backlog_job(lo, r, old, job)
-                self._jobs[lo] = job
+                self.board.put(lo, job)
                 if any(self._payable(lo, job, n) for n in counts):
-                    self._starved_since.setdefault(lo, now)
+                    self.board.starved_since.setdefault(lo, now)
                 self.gate.waiting_gap = False
                 self.lock.notify_all()
 
@@ -553,42 +447,10 @@ class AdaptiveThreads:
                                   self.ledger.toward_window(lo, job.served_threads, count,
                                                             r.learned))
 
-    def _backlog_job(self, lo: int, r: RangeLearning, old: ShadowJob, new: ShadowJob) -> None:
-        """A newer batch of range ``lo`` replaced ``old`` before its shadows ran. Where both
-        would count toward the range's window, ``old`` waits in the backlog (at most
-        ``window`` of them), so the next quiet moment passes the whole window instead of one
-        comparison: under bursts of load every batch replaced the last, one pass ran per
-        lull, and ranges that 16 connections reached passed their window only after a
-        minute or more, serving the configured count meanwhile (0.88x fixed 2 in the first
-        10 s of 16 connections after learning, the real host). Else it is dropped."""
-        if not (self._toward_window(lo, old) and self._toward_window(lo, new)):
-            self.replaced += 1
-            return
-        backlog = self._backlog.setdefault(lo, deque(maxlen=self.settings.window))
-        self.replaced += len(backlog) == backlog.maxlen  # the oldest gives way
-        backlog.append(old)
-
-    def _forget_jobs(self, lo: int) -> None:
-        """Range ``lo`` explores again: its due shadows and backlog go."""
-        self._jobs.pop(lo, None)
-        self._backlog.pop(lo, None)
-        self._starved_since.pop(lo, None)
-
-    def _next_from_backlog(self, lo: int) -> None:
-        """Range ``lo`` has no job: its newest backlogged batch that still counts toward its
-        window becomes it; none: the backlog goes."""
-        backlog, r = self._backlog.get(lo), self.ranges.get(lo)
-        while backlog:
-            job = backlog.pop()
-            if job.counts and r is not None and self._toward_window(lo, job):
-                self._jobs[lo] = job  # (a job that ran as it was backlogged has no count)
-                return
-        self._backlog.pop(lo, None)
-
     # -- shadows ---------------------------------------------------------------------------
     def pending_shadows(self) -> int:
         """Size ranges with shadow passes still to run."""
-        return len(self._jobs)
+        return len(self.board)
 
     def step(self) -> bool:
         """Run one due shadow forward on the calling thread (the shadow loop, or a test).
@@ -596,11 +458,11 @@ class AdaptiveThreads:
         (``_next_shadow``); else a starved one the learning share affords runs paid
         (``_paid_shadow``). False when none may start now."""
         with self.lock:
-            if not self.ledger.learning or not self._jobs:
+            if not self.ledger.learning or not self.board.jobs:
                 return False
             now = self.clock()
             due = None if self._busy or self.budget.over(now) else \
-                self.gate.next_shadow(now, self._jobs, self.ranges, self.mode)
+                self.gate.next_shadow(now, self.board.jobs, self.ranges, self.mode)
             self.gate.waiting_gap = due is None
             paid = due is None and (due := self._paid_shadow(now)) is not None
             if due is None:
@@ -609,15 +471,14 @@ class AdaptiveThreads:
             epoch = self._epoch
             self._shadow_gated, self._shadow_paid = sharing, paid
             began = self.clock()
-            frozen_before = self._frozen_total(began)
+            frozen_before = self.freezer.frozen_total(began)
         try:
             result = self.run_shadow(job.batch, count, paid)
         except RuntimeFault:
             # the shadow side failed (the loop counts it and backs off): not this batch
             # again, the range's next served batch brings its counts
             with self.lock:
-                if self._jobs.get(lo) is job:
-                    del self._jobs[lo]
+                self.board.failed(lo, job)
             raise
         finally:
             with self.lock:
@@ -631,20 +492,21 @@ class AdaptiveThreads:
                 self._after_shadow(lo, job, count, result, clean=True, paid=True)
                 return True
             waited = (result.waited_s or 0.0) / max(1, count)
-            self.budget.charge(wall - (self._frozen_total(now) - frozen_before) - waited, now)
-            clean, before = clean_window(0, epoch, self._epoch), self.preempted
+            self.budget.charge(wall - (self.freezer.frozen_total(now) - frozen_before) - waited,
+                               now)
+            clean, before = clean_window(0, epoch, self._epoch), self.tally.preempted
             if not clean:
-                self.discarded += 1
+                self.tally.discarded += 1
             elif preempted(result.forward_s, result.waited_s):
-                self.preempted += 1
+                self.tally.preempted += 1
                 clean = False
             if sharing:
-                self.gate.after_sharing(result, clean, self.preempted != before, self.clock())
+                self.gate.after_sharing(result, clean, self.tally.preempted != before, self.clock())
             # a preempted one is not run again on this batch, unless it shares cores with
             # served forwards: then ``_quiet_s`` and the backoff space its tries out (the load
             # may be over; idle time alone does not: a worker with no traffic is always idle)
             self._after_shadow(lo, job, count, result, clean,
-                               retry=sharing or self.preempted == before)
+                               retry=sharing or self.tally.preempted == before)
         return True
 
     def _paid_shadow(self, now: float) -> tuple[int, ShadowJob, int, bool] | None:
@@ -652,18 +514,16 @@ class AdaptiveThreads:
         now: its range made no progress for ``starved_s`` (no idle CPU let one run), it is
         payable (``_payable``), the share affords its expected cost, and no timed served
         forward holds the shadow side frozen (it would run nothing)."""
-        if self._paused:
+        if self.freezer.running:
             return None
-        for lo, job in self._jobs.items():
-            since = self._starved_since.get(lo)
+        for lo, job in self.board.jobs.items():
+            since = self.board.starved_since.get(lo)
             if since is None or now - since < self.settings.starved_s:
                 continue
             for count in job.counts:
                 if self._payable(lo, job, count) and \
                         self.paid.affords(self._expected_s(lo, job, count)):
-                    if self._held:  # frozen since the last forward: a paid one runs
-                        self._held = False
-                        self.pause_shadows(False)
+                    self.freezer.release()  # held frozen since the last forward
                     return lo, job, count, False
         return None
 
@@ -699,7 +559,7 @@ class AdaptiveThreads:
             self._drift(job, count, result, at)
             return
         self.ledger.agree(lo, job.served_threads, count)
-        self._unflushed_comparisons += 1
+        self.sync.pending.comparisons += 1
         r = self.ranges.setdefault(lo, RangeLearning())
         progress = self.ledger.toward_window(lo, job.served_threads, count, r.learned)
         if clean:
@@ -707,7 +567,7 @@ class AdaptiveThreads:
             self._sample(lo, r, count, served_cost_ms(result.forward_s, result.waited_s, count),
                          job.batch.padded_tokens)
         if progress or paid:  # the share pays again only after ``starved_s`` more
-            self._starved_since.pop(lo, None)
+            self.board.starved_since.pop(lo, None)
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)
@@ -715,12 +575,9 @@ class AdaptiveThreads:
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
             # (if not ``retry``, after it waited for CPUs other tasks held: they likely
             # still do; the range's next served batch brings the count again)
-        if not job.counts and self._jobs.get(lo) is job:
-            del self._jobs[lo]
-        self._dirty_learned.add(lo)
-        self._settle(lo, r)
-        if lo not in self._jobs and lo in self._backlog:
-            self._next_from_backlog(lo)
+        self.sync.pending.learned.add(lo)
+        self._settle(lo, r)  # (a range that starts serving needs its backlog no more)
+        self.board.ran(lo, job)
 
     def _need(self, r: RangeLearning) -> list[int]:
         """Counts an exploring range still lacks ``min_samples`` of."""
@@ -732,7 +589,7 @@ class AdaptiveThreads:
             kept = store.setdefault(count, [])
             kept.append(value)
             del kept[:-keep]
-        self._dirty_samples.setdefault((lo, count), []).append(ms)
+        self.sync.pending.samples.setdefault((lo, count), []).append(ms)
         if r.exploring:
             self._update(lo, r)
         else:
@@ -749,7 +606,7 @@ class AdaptiveThreads:
               self.ledger.may_serve_range(lo, new))
         r.baselines = {(n, "shadow"): typical(v) for n, v in r.per_token.items()}
         r.recent = {}
-        self._dirty_learned.add(lo)
+        self.sync.pending.learned.add(lo)
         log.info("threads_learned range=%d-%d num_threads=%d speedup=%.3f", lo, 2 * lo - 1,
                  new, self._speedup(r))
         if r.serving:
@@ -762,7 +619,7 @@ class AdaptiveThreads:
             self._serving(lo, r)
 
     def _serving(self, lo: int, r: RangeLearning) -> None:
-        self._backlog.pop(lo, None)
+        self.board.backlog.pop(lo, None)
         log.info("threads_serving_learned range=%d-%d num_threads=%d verified_passes=%d",
                  lo, 2 * lo - 1, r.learned, self.ledger.progress(lo, r.learned))
 
@@ -796,7 +653,7 @@ class AdaptiveThreads:
     def _relearn(self, lo: int, r: RangeLearning, keep_serving: int | None) -> None:
         self.ranges[lo] = relearn(r, keep_serving)
         self.contention.forget(lo)
-        self._forget_jobs(lo)
+        self.board.forget(lo)
 
     def _drift(self, job: ShadowJob, count: int, result: ForwardResult,
                at: tuple[int, ...]) -> None:
@@ -808,61 +665,10 @@ class AdaptiveThreads:
                     "shadow_threads=%d first_index=%s served=%r shadow=%r", self.worker,
                     event.rows, event.padded_tokens, event.served_threads, count, list(at),
                     event.served_value, event.shadow_value)
-        record = self.record
-        self._guard("write_drift", lambda: record.record_drift(self.scope, event))
-        self._guard("write_voucher", lambda: record.add_voucher(self.scope, "traffic", 1, 1))
+        self.sync.guard("write_drift", lambda rec: rec.record_drift(self.scope, event))
+        self.sync.guard("write_voucher", lambda rec: rec.add_voucher(self.scope, "traffic", 1, 1))
 
     def _retire(self, event: DriftEvent) -> None:
         """Learning ends for good (R4.7): the ledger admits only the configured count."""
         self.ledger.retire(event)
-        self._jobs.clear()
-        self._backlog.clear()
-        self._starved_since.clear()
-
-
-class Thawer:
-    """The tuner's thread that thaws a held shadow side once its hold ends (``_thaw``)."""
-
-    def __init__(self, tuner: AdaptiveThreads) -> None:
-        self.tuner, self._stop = tuner, False
-        self.thread = threading.Thread(target=self._run, name="shadow-thaw", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        t = self.tuner
-        with t.lock:
-            while not self._stop:
-                if not t._held:
-                    t._thaw_wake.wait()
-                elif (left := t._thaw_at - t.clock()) > 0:
-                    t._thaw_wake.wait(left)
-                else:
-                    t._held = False
-                    t.pause_shadows(False)
-
-    def stop(self) -> None:
-        with self.tuner.lock:
-            self._stop = True
-            self.tuner._thaw_wake.notify_all()
-        self.thread.join(timeout=10)
-
-
-class RecordWatch:
-    """The tuner's record-reading thread: ``poll`` every ``interval_s`` until stopped."""
-
-    def __init__(self, poll: Callable[[], None], interval_s: float) -> None:
-        self._poll, self._interval_s = poll, interval_s
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="record-watch", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self._poll()
-            except Exception:  # a read that fails is retried at the next interval
-                log.exception("record_watch_failed")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=10)
+        self.board.clear()

@@ -383,12 +383,11 @@ class ShadowLoop:
             if t.step():
                 self._retry_s = 0.0
                 continue
-            if (t._dirty_samples or t._dirty_learned or t._unflushed_comparisons) and \
-                    t.clock() - t._last_flush >= t.settings.flush_s:
+            if t.flush_due():
                 t.flush()
             with t.lock:  # woken when a served forward ends, or a shadow may start
                 if not self._stop:
-                    wait_s = 0.05 if t._jobs else t.settings.flush_s
+                    wait_s = 0.05 if t.board.jobs else t.settings.flush_s
                     if t._sharing_at > (now := t.clock()):
                         wait_s = min(wait_s, t._sharing_at - now)
                     t.lock.wait(timeout=wait_s)

@@ -1,0 +1,101 @@
+"""What the tuner writes to the host record and reads back (R4.7-R4.9, R4.11): learnings
+waiting to be written (``Pending``), every record call guarded so a failing record keeps
+learning in memory (``RecordSync.guard``: the report says why), and the thread that reads
+drift and the voucher back (``RecordWatch``: a drift any worker of the scope recorded
+retires this one within a second). Nothing here runs on the served path."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_srun.records.host_record import HostRecord, HostRecordError, Scope
+
+log = logging.getLogger(__name__)
+
+# ``RecordWatch.stop`` waits this long for its thread: one record read, a few ms
+WATCH_JOIN_S = 10.0
+
+
+@dataclass
+class Pending:
+    """Learnings not yet in the record."""
+
+    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (lo, n) -> ms
+    learned: set[int] = field(default_factory=set)  # ranges whose learned count moved on
+    comparisons: int = 0  # shadows that agreed with the served answer (traffic's voucher)
+
+    def __bool__(self) -> bool:
+        return bool(self.samples or self.learned or self.comparisons)
+
+
+class RecordSync:
+    def __init__(self, record: HostRecord | None, scope: Scope,
+                 clock: Callable[[], float]) -> None:
+        self.record, self.scope = record, scope
+        self.error: str | None = None  # the last record call that failed, in words
+        self.pending = Pending()
+        self.last_flush = clock()
+        self._watch: RecordWatch | None = None
+
+    def guard(self, what: str, fn: Callable[[HostRecord], object]) -> object | None:
+        """``fn(record)``, or None without a record or where it fails (kept as ``error``)."""
+        if self.record is None:
+            return None
+        try:
+            return fn(self.record)
+        except HostRecordError as exc:
+            self.error = str(exc)
+            log.error("host_record_failed action=%s error=%s", what, exc)
+            return None
+
+    def take(self, now: float) -> Pending:
+        """What to write now (the caller holds the tuner's lock); nothing pending after."""
+        taken, self.pending, self.last_flush = self.pending, Pending(), now
+        return taken
+
+    def write(self, taken: Pending, learned: dict[int, tuple[int, float, int]]) -> None:
+        """Write ``taken`` and ``learned`` (range -> count, speed-up, verified passes)."""
+        scope = self.scope
+
+        def write(record: HostRecord) -> None:
+            for (lo, n), ms in taken.samples.items():
+                record.add_samples(scope, lo, n, ms)
+            for lo, (n, up, passes) in learned.items():
+                record.put_learned(scope, lo, n, up, passes)
+            if taken.comparisons:
+                record.add_voucher(scope, "traffic", taken.comparisons, 0)
+
+        self.guard("flush", write)
+
+    def watch(self, poll: Callable[[], None], interval_s: float) -> None:
+        if self.record is not None and self._watch is None:
+            self._watch = RecordWatch(poll, interval_s)
+
+    def stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+
+class RecordWatch:
+    """The tuner's record-reading thread: ``poll`` every ``interval_s`` until stopped."""
+
+    def __init__(self, poll: Callable[[], None], interval_s: float) -> None:
+        self._poll, self._interval_s = poll, interval_s
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="record-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._poll()
+            except Exception:  # a read that fails is retried at the next interval
+                log.exception("record_watch_failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=WATCH_JOIN_S)
