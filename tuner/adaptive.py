@@ -454,17 +454,21 @@ class AdaptiveThreads:
 
     def step(self) -> bool:
         """Run one due shadow forward on the calling thread (the shadow loop, or a test).
-        An idle-class one starts only while no served forward runs and within its budget
-        (``_next_shadow``); else a starved one the learning share affords runs paid
-        (``_paid_shadow``). False when none may start now."""
+        A starved one the learning share affords runs paid (``_paid_shadow``); else an
+        idle-class one, only while no served forward runs and within its budget
+        (``ShadowGate.next_shadow``). False when none may start now."""
         with self.lock:
             if not self.ledger.learning or not self.board.jobs:
                 return False
             now = self.clock()
-            due = None if self._busy or self.budget.over(now) else \
-                self.gate.next_shadow(now, self.board.jobs, self.ranges, self.mode)
-            self.gate.waiting_gap = due is None
-            paid = due is None and (due := self._paid_shadow(now)) is not None
+            # a starved range's idle-class shadows make no progress (cut into, frozen,
+            # preempted): where the share affords it, its shadow runs paid first
+            due = self._paid_shadow(now)
+            paid = due is not None
+            if not paid:
+                due = None if self._busy or self.budget.over(now) else \
+                    self.gate.next_shadow(now, self.board.jobs, self.ranges, self.mode)
+                self.gate.waiting_gap = due is None
             if due is None:
                 return False
             lo, job, count, sharing = due
@@ -487,11 +491,11 @@ class AdaptiveThreads:
             now = self.clock()
             wall = now - began
             self.shadow_wall_s += wall
+            waited = (result.waited_s or 0.0) / max(1, count)
             if paid:  # timed beside served forwards: its cost to one (``served_cost_ms``)
-                self.paid.charge(wall)
+                self.paid.charge(max(0.0, wall - waited))
                 self._after_shadow(lo, job, count, result, clean=True, paid=True)
                 return True
-            waited = (result.waited_s or 0.0) / max(1, count)
             self.budget.charge(wall - (self.freezer.frozen_total(now) - frozen_before) - waited,
                                now)
             clean, before = clean_window(0, epoch, self._epoch), self.tally.preempted

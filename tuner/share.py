@@ -8,10 +8,13 @@ once when it banked without a cap).
 ``PaidShare``: where traffic leaves no idle CPU, a due shadow that has starved (see
 ``scheduling.ShadowGate.starved``) may run at normal priority beside served forwards: it
 takes CPU from them, so it is paid from a bucket that fills at ``share`` of served forward
-time (default 2%), holds at most ``cap_s``, and is charged the paid shadow's wall time. A
-paid shadow starts only while the bucket holds its expected cost. Invariant: paid seconds
-never exceed ``share`` of the served forward seconds so far plus ``cap_s`` plus what the
-last paid shadow ran over its expected cost.
+time (default 2%), holds at most ``cap_s``, and is charged the CPU the paid shadow took:
+its wall time less its threads' run delay per thread (a thread waiting for a CPU takes none
+from served forwards; on a host that other tasks load, charged its wall time, a 2-thread
+paid shadow of 25 ms ran 0.5 s and spent a minute's share). A paid shadow starts only while
+the bucket holds its expected cost. Invariant: paid seconds never exceed ``share`` of the
+served forward seconds so far plus ``cap_s`` plus what the last paid shadow ran over its
+expected cost.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class PaidShare:
     cap_s: float = PAID_CAP_S
     credit_s: float = 0.0
     served_s: float = 0.0  # served forward time it accrued from
-    paid_s: float = 0.0  # wall time of paid shadows
+    paid_s: float = 0.0  # CPU time of paid shadows (wall less run delay per thread)
     paid_shadows: int = 0
 
     def accrue(self, forward_s: float) -> None:
