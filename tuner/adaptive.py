@@ -106,13 +106,14 @@ class AdaptiveThreads:
                  free_cpu_s: Callable[[], tuple[float, float] | None] | None = None,
                  paid_forward: Forward | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
-        self.sync = RecordSync(record, scope, clock)
+        self.clock = clock
+        now = self.now  # the parts read the tuner's clock, whatever it is set to later
+        self.sync = RecordSync(record, scope, now)
         self.forward = forward
         self.shadow_forward = shadow_forward or forward
         # a shadow the learning share pays for: the shadow side at normal priority
         self.paid_forward = paid_forward or self.shadow_forward
         self.settings = settings or TunerSettings()
-        self.clock = clock
         self.on_close = on_close
         self.worker = worker or f"pid {os.getpid()}"  # named in the drift it records
         self.ledger = ExactnessLedger(mode, configured, self.settings.window)
@@ -121,7 +122,7 @@ class AdaptiveThreads:
         self.ranges: dict[int, RangeLearning] = {}
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self.tally = Tally()  # what timed and checked what, for the report
-        self.freezer = Freezer(pause_shadows, self.lock, clock)
+        self.freezer = Freezer(pause_shadows, self.lock, now)
         self.board = JobBoard(self.settings.window, self._toward_window)
         self.paid = PaidShare(self.settings.learning_share)
         self._shadow_paid = False  # the shadow running now is a paid one: never frozen
@@ -135,8 +136,8 @@ class AdaptiveThreads:
         self._shadow_threads = 0  # the count of the shadow running now
         self._shadow_gated = False  # ... it waited for a gap (``_next_shadow``)
         self.shadows_warm = False  # the shadow loop has run every count once
-        self.gate = ShadowGate(self.settings, configured, max(self.counts), clock)
-        self.contention = ContentionWatch(self.settings, self.counts, clock, free_cpu_s)
+        self.gate = ShadowGate(self.settings, configured, max(self.counts), now)
+        self.contention = ContentionWatch(self.settings, self.counts, now, free_cpu_s)
         # idle-class shadow time charged to ``budget_fraction``: a shadow's wall time less
         # what it spent frozen (``Freezer.frozen_total``: SIGSTOP) or waiting for CPUs
         # (its threads' run delay, per thread): a shadow frozen through a burst of load took
@@ -175,6 +176,9 @@ class AdaptiveThreads:
     slow_cores_free = property(lambda self: self.contention.slow_cores_free)
     free_cpu_s = property(lambda self: self.contention.free_cpu_s,
                           lambda self, v: setattr(self.contention, "free_cpu_s", v))
+
+    def now(self) -> float:
+        return self.clock()
 
     # -- the record ----------------------------------------------------------------------
     scope = property(lambda self: self.sync.scope)
@@ -454,21 +458,17 @@ class AdaptiveThreads:
 
     def step(self) -> bool:
         """Run one due shadow forward on the calling thread (the shadow loop, or a test).
-        A starved one the learning share affords runs paid (``_paid_shadow``); else an
-        idle-class one, only while no served forward runs and within its budget
-        (``ShadowGate.next_shadow``). False when none may start now."""
+        An idle-class one starts only while no served forward runs and within its budget
+        (``ShadowGate.next_shadow``); else a starved one the learning share affords runs paid
+        (``_paid_shadow``). False when none may start now."""
         with self.lock:
             if not self.ledger.learning or not self.board.jobs:
                 return False
             now = self.clock()
-            # a starved range's idle-class shadows make no progress (cut into, frozen,
-            # preempted): where the share affords it, its shadow runs paid first
-            due = self._paid_shadow(now)
-            paid = due is not None
-            if not paid:
-                due = None if self._busy or self.budget.over(now) else \
-                    self.gate.next_shadow(now, self.board.jobs, self.ranges, self.mode)
-                self.gate.waiting_gap = due is None
+            due = None if self._busy or self.budget.over(now) else \
+                self.gate.next_shadow(now, self.board.jobs, self.ranges, self.mode)
+            self.gate.waiting_gap = due is None
+            paid = due is None and (due := self._paid_shadow(now)) is not None
             if due is None:
                 return False
             lo, job, count, sharing = due
