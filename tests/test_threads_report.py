@@ -62,7 +62,7 @@ def test_the_decision_statistic_is_named_and_is_the_one_the_decision_uses():
                                   "p90_ms": 40.0, "samples": 12}
     assert rng["counts"]["1"]["median_ms"] == 15.0
     assert rng["learned_threads"] == 1 and rng["speedup"] == 1.0
-    assert "median [90% interval]/p90/n" in table(rep) and "40.00 [" in table(rep)
+    assert "median [80% interval]/p90/n" in table(rep) and "40.00 [" in table(rep)
 
 
 def test_states_and_recommendations():

@@ -7,7 +7,7 @@ with one report per worker (live: per replica, named by ``deployment`` and ``rep
 scope of the record. Each report has the same keys (``build``, ``off_report``): its learning
 ``state`` with ``state_reason`` and a ``recommendation`` (``advice.py``), and per range the
 statistic the decision uses (``decision_statistic``: the median, ``estimator.estimate``) per
-count with its ~90% interval (``interval_ms``) and the p90, and the paid learning share."""
+count with its ~80% interval (``interval_ms``) and the p90, and the paid learning share."""
 
 from __future__ import annotations
 
@@ -232,7 +232,7 @@ def tables(doc: dict) -> str:
 def table(report: dict) -> str:
     counts = [str(n) for n in report["allowed_counts"]]
     stat = report["decision_statistic"].removesuffix("_ms")
-    head = ["range", "served", *[f"{n} thr ms ({stat} [90% interval]/p90/n)" for n in counts],
+    head = ["range", "served", *[f"{n} thr ms ({stat} [80% interval]/p90/n)" for n in counts],
             "learned",
             "speed-up", "range state"]
     rows = [head]
