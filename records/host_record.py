@@ -1,5 +1,6 @@
-"""The SQLite host record (R4.9): golden digests, timing samples, learned counts, vouchers and
-drift events, keyed by scope = (host fingerprint, artifact revision, backend, precision).
+"""The SQLite host record (R4.9): golden digests, timing samples, learned counts, vouchers,
+shapes verified one by one and drift events, keyed by scope = (host fingerprint, artifact
+revision, backend, precision).
 
 How it works: one file per host, WAL mode, a busy timeout, and one short transaction per
 write, so several workers can write at once and a killed writer loses nothing committed.
@@ -18,7 +19,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from pathlib import Path
 import sqlite_utils
 
 from vllm_srun.records.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
+from vllm_srun.records.voucher import Coverage, Voucher, shape_item
 
 log = logging.getLogger(__name__)
 
@@ -62,64 +65,6 @@ class DriftEvent:
     created_at: float = 0.0  # time.time() seconds
     rows: int = 0  # 0: not recorded (a record from before schema 3)
     worker: str = ""  # who saw it: "replica <id> pid <pid>"
-
-
-@dataclass(frozen=True)
-class Coverage:
-    """What one ``threads verify`` sweep compared (R4.8): the thread counts, and the forward
-    shapes (rows x padded length) within these bounds. Shapes up to ``exhaustive_padded``
-    padded tokens were all swept; above it ``sampled`` of the ``above`` shapes there were, a
-    stratified sample (``sampled == above`` when the sweep was exhaustive)."""
-
-    counts: tuple[int, ...]
-    max_rows: int  # max_num_seqs
-    min_len: int  # padded length (tokens per row) bounds
-    max_len: int
-    max_padded: int  # max_num_batched_tokens (a single row may reach max_len regardless)
-    exhaustive_padded: int
-    shapes: int  # shapes swept in all
-    sampled: int = 0
-    above: int = 0
-
-    def covers_shape(self, rows: int, length: int) -> bool:
-        return (1 <= rows <= self.max_rows and self.min_len <= length <= self.max_len
-                and (rows == 1 or rows * length <= self.max_padded))
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "counts": list(self.counts)})
-
-    @classmethod
-    def from_json(cls, text: str) -> Coverage:
-        raw = json.loads(text)
-        return cls(**{**raw, "counts": tuple(raw["counts"])})
-
-
-@dataclass(frozen=True)
-class Voucher:
-    """The scope's vouchers since its last reset: comparisons and mismatches of sweeps and
-    traffic, and what the sweeps covered. It vouches only if a sweep compared something and
-    nothing ever differed; it covers a served count only together with the configured count
-    in one sweep's counts, and a shape only inside that sweep's bounds."""
-
-    comparisons: int
-    mismatches: int
-    swept: bool  # a ``threads verify`` sweep that compared something contributed
-    coverages: tuple[Coverage, ...] = ()
-    legacy: int = 0  # sweeps recorded before coverage was stored: they cover nothing
-
-    @property
-    def vouches(self) -> bool:
-        return self.swept and bool(self.coverages) and self.comparisons > 0 \
-            and self.mismatches == 0
-
-    def covers_counts(self, served: int, configured: int) -> bool:
-        return self.vouches and any({served, configured} <= set(c.counts)
-                                    for c in self.coverages)
-
-    def covers(self, rows: int, length: int, served: int, configured: int) -> bool:
-        """May a forward of ``rows`` x ``length`` be served at ``served`` threads?"""
-        return self.vouches and any({served, configured} <= set(c.counts)
-                                    and c.covers_shape(rows, length) for c in self.coverages)
 
 
 class HostRecord:
@@ -365,10 +310,41 @@ class HostRecord:
                     coverages.append(Coverage.from_json(r["coverage"]))
                 except (ValueError, TypeError, KeyError) as exc:
                     log.warning("voucher_coverage_unreadable scope=%s error=%s", scope, exc)
+        shapes = self._rows(f"SELECT rows, length, num_threads, configured, comparisons, "
+                            f"mismatches FROM verified_shapes WHERE {where}", params)
         return Voucher(comparisons=sum(r["comparisons"] for r in rows),
                        mismatches=sum(r["mismatches"] for r in rows),
                        swept=bool(coverages), coverages=tuple(coverages),
-                       legacy=sum(not r["coverage"] for r in sweeps))
+                       legacy=sum(not r["coverage"] for r in sweeps),
+                       verified=frozenset((r["rows"], r["length"], r["num_threads"],
+                                           r["configured"]) for r in shapes
+                                          if r["comparisons"] > 0 and not r["mismatches"]),
+                       shape_mismatches=sum(r["mismatches"] for r in shapes))
+
+    def add_verified_shapes(self, scope: Scope, configured: int,
+                            equal: Iterable[tuple[int, int, int]],
+                            differed: Iterable[tuple[int, int, int]] = (),
+                            source: str = "traffic") -> None:
+        """Shapes compared one by one, in one transaction: (rows, padded length, count) whose
+        answer at ``count`` was bit-identical to the configured count's on one batch of that
+        exact shape (``equal``), or was not (``differed``: nothing vouches after it).
+        ``source`` "traffic" (shadows of served batches) or "verify" (a bounded sweep)."""
+        bad = Counter(shape_item(item, configured) for item in differed)
+        tally = Counter(shape_item(item, configured) for item in equal) + bad  # comparisons
+        if not tally:
+            return
+        now, key = time.time(), list(asdict(scope).values())
+        with self._write() as db:
+            db.conn.executemany(
+                "INSERT INTO verified_shapes (fingerprint, revision, backend, precision, "
+                "configured, rows, length, num_threads, comparisons, mismatches, source, "
+                "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (fingerprint, revision, backend, precision, configured, rows, "
+                "length, num_threads) DO UPDATE SET "
+                "comparisons = comparisons + excluded.comparisons, "
+                "mismatches = mismatches + excluded.mismatches, updated_at = excluded.updated_at",
+                [(*key, configured, *shape, c, bad[shape], source, now)
+                 for shape, c in tally.items()])
 
     def record_drift(self, scope: Scope, event: DriftEvent) -> None:
         with self._write() as db:
@@ -395,20 +371,22 @@ class HostRecord:
                           r["worker"] or "")
 
     def reset(self, scope: Scope) -> None:
-        """Operator reset: forget drift, learned counts and timings for the scope, and retire
-        its vouchers (kept as history): mode 2 needs a new sweep, which can vouch again."""
+        """Operator reset: forget drift, learned counts, timings and verified shapes for the
+        scope, and retire its vouchers (kept as history): mode 2 serves a learned count again
+        only where a new sweep or new comparisons vouch."""
         where, params = scope.where()
         now = time.time()
         with self._write() as db:
             for table in ("drift", "vouchers"):
                 db.execute(f"UPDATE {table} SET reset_at = ? WHERE {where} AND reset_at IS NULL",
                            [now, *params])
-            db.execute(f"DELETE FROM learned WHERE {where}", params)
-            db.execute(f"DELETE FROM timings WHERE {where}", params)
+            for table in ("learned", "timings", "verified_shapes"):
+                db.execute(f"DELETE FROM {table} WHERE {where}", params)
 
     def scopes(self) -> list[Scope]:
         rows = self._rows(" UNION ".join(f"SELECT {', '.join(_KEY)} FROM {table}" for table in
-                                         ("workers", "golden", "timings", "vouchers")), [])
+                                         ("workers", "golden", "timings", "vouchers",
+                                          "verified_shapes")), [])
         return [Scope(**r) for r in rows]
 
 

@@ -77,5 +77,13 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX vouchers_scope ON vouchers (fingerprint, revision, backend, precision)",
         "CREATE INDEX drift_scope ON drift (fingerprint, revision, backend, precision)",
     ],
+    [  # 5: shapes verified one by one (traffic's shadows, bounded sweeps), per configured count
+        """CREATE TABLE verified_shapes (fingerprint TEXT, revision TEXT, backend TEXT,
+           precision TEXT, configured INTEGER, rows INTEGER, length INTEGER,
+           num_threads INTEGER, comparisons INTEGER NOT NULL, mismatches INTEGER NOT NULL,
+           source TEXT NOT NULL, updated_at REAL NOT NULL,
+           PRIMARY KEY (fingerprint, revision, backend, precision, configured, rows, length,
+                        num_threads))""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

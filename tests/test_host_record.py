@@ -70,7 +70,8 @@ def test_drift_retires_until_reset_and_reset_keeps_history(path):
 
 
 def test_traffic_comparisons_alone_do_not_vouch(path):
-    """R4.8: traffic adds to a sweep's comparisons but never vouches by itself."""
+    """R4.8: traffic's comparison counts add to a sweep's but vouch for nothing by
+    themselves (only shapes verified one by one do, each for itself)."""
     r = HostRecord(path)
     r.add_voucher(SCOPE, "traffic", 500, 0)
     assert not r.voucher(SCOPE).vouches
@@ -145,6 +146,85 @@ def test_schema_2_file_migrates_its_old_sweeps_vouch_for_nothing(path):
     v = r.voucher(SCOPE)
     assert (v.vouches, v.legacy, v.comparisons) == (False, 1, 33)
     assert r.drift(SCOPE) == DriftEvent(7, 2, 1, (0, 3), 0.5, 0.25, 9.0, 0, "")
+
+
+# -- shapes verified one by one (the incremental voucher) ----------------------------------
+
+def test_covers_truth_table_sweeps_and_verified_shapes(path):
+    """R4.7, R4.8: a forward may serve another count where a sweep covering both counts has
+    its shape in bounds, or where that exact shape (rows x padded length) was verified at that
+    count against that configured count; nothing else, and nothing after any mismatch."""
+    r = HostRecord(path)
+    r.add_verified_shapes(SCOPE, 1, [(1, 300, 2), (3, 17, 2), (1, 300, 2), (2, 9, 4)])
+    v = r.voucher(SCOPE)
+    assert v.vouches and not v.swept  # shapes alone vouch, for themselves
+    assert v.covers(1, 300, 2, 1) and v.covers(3, 17, 2, 1) and v.covers(2, 9, 4, 1)
+    assert not v.covers(1, 299, 2, 1)  # an unverified shape of the same range
+    assert not v.covers(3, 16, 2, 1) and not v.covers(4, 17, 2, 1)  # neighbours: unverified
+    assert not v.covers(1, 300, 4, 1)  # a count it was not verified at
+    assert not v.covers(1, 300, 2, 4) and not v.covers(1, 300, 1, 2)  # other configured count
+    assert v.covers_counts(2, 1) and v.covers_counts(4, 1) and not v.covers_counts(2, 4)
+    assert v.shapes_verified(1) == {2: 2, 4: 1} and v.shapes_verified(2) == {}
+    rows = sqlite3.connect(path).execute(
+        "SELECT comparisons FROM verified_shapes WHERE rows = 1 AND length = 300").fetchall()
+    assert rows == [(2,)]  # one row per shape, its comparisons counted
+    r.add_voucher(SCOPE, "verify", 500, 0, SWEPT)  # a sweep adds its bounds
+    v = r.voucher(SCOPE)
+    assert v.covers(4, 64, 2, 1) and v.covers(1, 300, 2, 1) and not v.covers(1, 299, 2, 1)
+    r.add_verified_shapes(SCOPE, 1, [], differed=[(5, 5, 2)])  # one shape differed
+    v = r.voucher(SCOPE)
+    assert (v.vouches, v.shape_mismatches) == (False, 1)
+    assert not v.covers(1, 300, 2, 1) and not v.covers(4, 64, 2, 1) \
+        and not v.covers_counts(2, 1)  # a mismatch anywhere retires everything
+    assert (5, 5, 2, 1) not in v.verified
+
+
+def test_a_traffic_mismatch_retires_verified_shapes_and_a_reset_forgets_them(path):
+    """R4.7: a drift recorded as a traffic mismatch retires shapes verified one by one too;
+    after a reset they are forgotten, so only new comparisons vouch again."""
+    r = HostRecord(path)
+    r.add_verified_shapes(SCOPE, 1, [(1, 8, 2)])
+    other = Scope("f00d", "rev1", "onnxruntime", "bfloat16")
+    r.add_verified_shapes(other, 1, [(1, 8, 2)])
+    r.add_voucher(SCOPE, "traffic", 1, 1)
+    assert not r.voucher(SCOPE).covers(1, 8, 2, 1) and r.voucher(other).covers(1, 8, 2, 1)
+    r.reset(SCOPE)
+    assert r.voucher(SCOPE) == type(r.voucher(SCOPE))(0, 0, False)
+    assert r.voucher(other).covers(1, 8, 2, 1)  # another precision's scope is its own
+    assert other in r.scopes()
+    r.add_verified_shapes(SCOPE, 1, [(1, 8, 2)])
+    assert r.voucher(SCOPE).covers(1, 8, 2, 1)
+
+
+@pytest.mark.parametrize("item", [(0, 8, 2), (1, 8, 1), (1, -3, 2), ("a", 8, 2), (1, 8)])
+def test_a_bad_verified_shape_is_refused_naming_it(path, item):
+    r = HostRecord(path)
+    with pytest.raises(ValueError, match="verified shape"):
+        r.add_verified_shapes(SCOPE, 1, [(1, 8, 2), item])
+    assert r.voucher(SCOPE).verified == frozenset()  # nothing of the batch was written
+
+
+def test_schema_4_file_migrates_and_keeps_its_sweeps(path):
+    """R4.9: a record of schema 4 gains the verified-shapes table; its sweeps vouch as
+    before and it has no shape verified one by one."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for statements in MIGRATIONS[:4]:
+        for statement in statements:
+            conn.execute(statement)
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 4")
+    conn.execute("INSERT INTO vouchers (fingerprint, revision, backend, precision, source, "
+                 "comparisons, mismatches, created_at, coverage) VALUES "
+                 "('f00d', 'rev1', 'onnxruntime', 'float32', 'verify', 500, 0, 0, ?)",
+                 [SWEPT.to_json()])
+    conn.close()
+    r = HostRecord(path)
+    assert r.quarantined is None
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    v = r.voucher(SCOPE)
+    assert v.vouches and v.coverages == (SWEPT,) and v.verified == frozenset()
+    r.add_verified_shapes(SCOPE, 1, [(9, 100, 2)])
+    assert r.voucher(SCOPE).covers(9, 100, 2, 1) and r.voucher(SCOPE).covers(1, 8, 2, 1)
 
 
 @pytest.mark.parametrize("content", [b"this is not sqlite at all" * 100, b""],
