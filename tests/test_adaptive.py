@@ -138,19 +138,25 @@ def test_mode1_learns_from_real_timings(backends, tmp_path):
     assert timed[1] >= 3 and timed[2] >= 3  # explored, then probes (R4.11) add to them
 
 
-def test_mode2_without_voucher_acts_as_mode1_and_says_why(backends, tmp_path):
+def test_mode2_without_a_sweep_says_why_and_serves_only_shapes_traffic_verified(backends,
+                                                                               tmp_path):
+    """R4.6, R4.8: with no sweep, mode 2 starts as mode 1 and its report says why; what it
+    serves at another count afterwards is only a shape its own shadows verified (one row of
+    100 tokens at 2 threads against 1), never one they did not."""
     record = HostRecord(tmp_path / "r.sqlite")
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.SERVE, 1, (1, 2))
     try:
+        first = build(from_tuner(tuner))
         for i in range(60):
             serve_paced(runner, tuner, row(100, i))
-        report = build(from_tuner(tuner))
+        runner.engine.submit([row(101)]).result(timeout=60)  # never shadowed before it ran
     finally:
         runner.stop()
-    assert {r.num_threads for r in runner.served} == {1}
-    assert any("no voucher" in n for n in report["notes"])
-    learned = [r for r in report["ranges"] if r["learned_threads"] == 2]
-    assert all(r["state"] == RangeState.NO_VOUCHER for r in learned)
+    assert any("no voucher" in n for n in first["notes"])
+    assert not tuner.voucher.swept and tuner.voucher.verified <= {(1, 100, 2, 1)}
+    assert all(r.num_threads == 1 or (r.rows, r.padded_tokens) == (1, 100)
+               for r in runner.served)
+    assert runner.served[-1].num_threads == 1
 
 
 def test_golden_check_stores_then_guards(backends, tmp_path):

@@ -77,29 +77,38 @@ def test_mode2_serves_learned_counts_only_for_covered_shapes(tmp_path):
     assert [(r.rows, r.padded_tokens, r.num_threads) for r in served] == [(1, 22, 2),
                                                                           (2, 22, 1)]
     assert tuner.uncovered == 1 and report["uncovered_forwards"] == 1
-    assert any("outside every voucher's coverage" in n for n in report["notes"])
+    assert any("no sweep covered their shape" in n for n in report["notes"])
     (cov,) = report["voucher"]["coverage"]
     assert (cov["counts"], cov["max_rows"], cov["min_len"], cov["max_len"]) == ([1, 2], 1, 2, 40)
 
 
 def test_a_voucher_for_other_counts_does_not_let_mode2_serve(tmp_path):
-    """R4.8: a sweep at counts {1, 4} does not vouch for a worker whose learned count is 2."""
+    """R4.8: a sweep at counts {1, 4} does not vouch for a worker whose learned count is 2:
+    its range serves 2 threads only for the shape its own shadows verified at 2 (1 x 20),
+    and a shape inside the sweep's bounds that no shadow ran at 2 (1 x 22) stays at 1."""
     backend = load_backend(M, "onnxruntime")
     record = HostRecord(tmp_path / "r.sqlite")
     plan = plan_sweep(ShapeBounds(max_rows=1, max_len=40, max_padded=40))
-    record.add_voucher(Scope("test-host", M.revision, "onnxruntime"), "verify", 39, 0,
-                       plan.coverage((1, 4)))
+    scope = Scope("test-host", M.revision, "onnxruntime")
+    record.add_voucher(scope, "verify", 39, 0, plan.coverage((1, 4)))
     runner, tuner = start(SlowerAt(backend, 1, 1000.0), record, AdaptiveMode.SERVE, 1, COUNTS)
     try:
+        assert tuner.voucher.vouches and not tuner.voucher.covers_counts(2, 1)
         for i in range(10):
             serve_paced(runner, tuner, row(20, i))
+        assert wait_for(lambda: (1, 20, 2, 1) in tuner.voucher.verified, WATCH_DEADLINE_S)
+        before = len(runner.served)
+        runner.engine.submit([row(22, 1)]).result(timeout=60)
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
-    assert tuner.ranges[16].learned == 2 and not tuner.ranges[16].serving
-    assert {r.num_threads for r in runner.served} == {1}
+    assert tuner.ranges[16].learned == 2
+    assert {(r.padded_tokens, r.num_threads) for r in runner.served[:before]} <= {(20, 1),
+                                                                                   (20, 2)}
+    assert runner.served[before].num_threads == 1
+    assert tuner.voucher.verified == {(1, 20, 2, 1)}
     (rng,) = [r for r in report["ranges"] if r["size_range"] == "16-31"]
-    assert rng["state"] == RangeState.NO_VOUCHER
+    assert rng["state"] in (RangeState.VERIFYING, RangeState.SERVING)
 
 
 def drifts(backend, context: ThreadContext, n: int, salts: int = 2) -> bool:
@@ -240,10 +249,12 @@ def test_a_drift_another_process_records_retires_a_serving_worker(tmp_path):
 
 def test_a_sweep_and_a_reset_from_the_cli_reach_a_running_worker(tmp_path):
     """R4.8: "after `threads reset` a new sweep can vouch again", for a worker that is already
-    running. A mode-2 worker has learned 2 threads with no voucher; `vllm-srun threads verify`
-    in another process vouches, the worker's record watch reads it with no traffic in between,
-    and the range then serves its learned count; `vllm-srun threads reset` in another process
-    retires the voucher, and the worker stops serving learned counts the same way."""
+    running. A mode-2 worker has learned 2 threads with no sweep (its shadows verified only
+    the one shape it served, 1 x 20); `vllm-srun threads verify` in another process vouches
+    for 1 x 22 too, the worker's record watch reads it with no traffic in between, and the
+    range then serves its learned count there; `vllm-srun threads reset` in another process
+    retires the voucher and the verified shapes, and the worker stops serving learned counts
+    the same way."""
     backend = load_backend(M, "onnxruntime")
     path = tmp_path / "r.sqlite"
     runner, tuner = start(SlowerAt(backend, 1, 1000.0), HostRecord(path), AdaptiveMode.SERVE, 1,
@@ -251,13 +262,13 @@ def test_a_sweep_and_a_reset_from_the_cli_reach_a_running_worker(tmp_path):
     try:
         for i in range(10):
             serve_paced(runner, tuner, row(20, i))
-        assert tuner.ranges[16].learned == 2 and not tuner.voucher.vouches
-        assert {r.num_threads for r in runner.served} == {1}
+        assert tuner.ranges[16].learned == 2 and not tuner.voucher.swept
+        assert not tuner.voucher.covers(1, 22, 2, 1)
         verify = run_cli("threads", "verify", L6, "--threads", "1", "--max-threads", "2",
                          "--record", str(path), "--max-num-seqs", "1",
                          "--max-num-batched-tokens", "40", "--max-tokens", "40")
         assert verify.returncode == 0, verify.stdout + verify.stderr
-        assert wait_for(lambda: tuner.voucher.vouches, WATCH_DEADLINE_S), \
+        assert wait_for(lambda: tuner.voucher.swept, WATCH_DEADLINE_S), \
             f"a new sweep did not reach the worker within {WATCH_DEADLINE_S} s"
         serve_until_serving(runner, tuner, 16, [20, 24, 28])
         runner.engine.submit([row(22, 1)]).result(timeout=60)
@@ -267,9 +278,9 @@ def test_a_sweep_and_a_reset_from_the_cli_reach_a_running_worker(tmp_path):
         assert wait_for(lambda: not tuner.voucher.vouches and not tuner.ranges[16].serving,
                         WATCH_DEADLINE_S), \
             f"a reset did not reach the worker within {WATCH_DEADLINE_S} s"
+        report = build(from_tuner(tuner))
         runner.engine.submit([row(22, 1)]).result(timeout=60)
         assert runner.served[-1].num_threads == 1
-        report = build(from_tuner(tuner))
     finally:
         runner.stop()
     (rng,) = [r for r in report["ranges"] if r["size_range"] == "16-31"]
@@ -327,3 +338,46 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     finally:
         context.shutdown()
     assert np.array_equal(output_bits(out), output_bits(reference))
+
+
+# -- the incremental voucher: shapes verified by traffic (R4.6, R4.8) ----------------------
+
+def test_mode2_without_a_sweep_serves_a_learned_count_only_for_shapes_traffic_verified(
+        tmp_path):
+    """R4.6, R4.8: no sweep ran. Shadows at 2 threads of batches served at 1 that reproduced
+    the answer bit for bit verify exactly those shapes (rows x padded length), so mode 2
+    serves its learned count for them; another shape of the same range (1 x 22) stays at the
+    configured count until a shadow of it, run because it was served uncovered, verifies it
+    too. The record holds exactly the verified shapes; the report counts them."""
+    backend = load_backend(M, "onnxruntime")
+    path = tmp_path / "r.sqlite"
+    runner, tuner = start(SlowerAt(backend, 1, 1000.0), HostRecord(path), AdaptiveMode.SERVE, 1,
+                          COUNTS)
+    scope = Scope("test-host", M.revision, "onnxruntime")
+    try:
+        assert not tuner.voucher.vouches
+        serve_until_serving(runner, tuner, 16, [20, 24, 28])
+        tuner.flush()  # what the shadows verified so far reaches the record, and comes back
+        assert wait_for(lambda: tuner.voucher == HostRecord(path).voucher(scope), 5)
+        verified = tuner.voucher.verified
+        assert verified and verified <= {(1, n, 2, 1) for n in (20, 24, 28)}, verified
+        assert not tuner.voucher.swept
+        (_, known, _, _) = min(verified)
+        before, uncovered = len(runner.served), tuner.uncovered
+        serve_paced(runner, tuner, row(known, 7))  # verified: the learned count
+        serve_paced(runner, tuner, row(22, 1))  # same range, unverified: configured
+        assert [(r.padded_tokens, r.num_threads) for r in runner.served[before:]] == \
+            [(known, 2), (22, 1)]
+        assert tuner.uncovered == uncovered + 1
+        # its shadow at 2 threads verified it; the record watch brings it back
+        assert wait_for(lambda: tuner.voucher.covers(1, 22, 2, 1), WATCH_DEADLINE_S), \
+            build(from_tuner(tuner))
+        runner.engine.submit([row(22, 2)]).result(timeout=60)
+        assert runner.served[-1].num_threads == 2
+        report = build(from_tuner(tuner))
+    finally:
+        runner.stop()
+    assert (1, 22, 2, 1) in HostRecord(path).voucher(scope).verified
+    assert report["voucher"]["vouches"] and not report["voucher"]["swept"]
+    assert report["voucher"]["shapes_verified"]["2"] == len(verified) + 1
+    assert "shapes verified one by one" in table(report)

@@ -207,7 +207,7 @@ class AdaptiveThreads:
             taken = self.sync.take(self.clock())
             learned = {lo: (r.learned, self._speedup(r), self.ledger.progress(lo, r.learned))
                        for lo in taken.learned if (r := self.ranges[lo]).learned}
-        self.sync.write(taken, learned)
+        self.sync.write(taken, learned, self.configured)
 
     def poll_record(self) -> None:
         """Read drift and the voucher back from the record (the watch thread): a drift any
@@ -415,6 +415,9 @@ class AdaptiveThreads:
             window_due = self.ledger.window_due(lo, r.learned)
             counts = shadow_plan(need, window_due, r.learned, result.num_threads,
                                  self.counts, r.served_at_learned, s.audit_every)
+            if r.serving and timed[3] is None and result.num_threads == self.configured \
+                    and r.learned not in counts and r.learned != self.configured:
+                counts = [r.learned, *counts]  # a shape no voucher covers yet: verify it
             if r.learned is None and result.num_threads != self.configured:
                 # served at another count while exploring: audit its answer at the
                 # configured one (only that, where served forwards are the samples)
@@ -564,6 +567,9 @@ class AdaptiveThreads:
             return
         self.ledger.agree(lo, job.served_threads, count)
         self.sync.pending.comparisons += 1
+        if job.served_threads != count and self.configured in (job.served_threads, count):
+            other = count if job.served_threads == self.configured else job.served_threads
+            self.sync.pending.shapes.add((*job.batch.input_ids.shape, other))  # this shape
         r = self.ranges.setdefault(lo, RangeLearning())
         progress = self.ledger.toward_window(lo, job.served_threads, count, r.learned)
         if clean:

@@ -26,9 +26,12 @@ class Pending:
     samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (lo, n) -> ms
     learned: set[int] = field(default_factory=set)  # ranges whose learned count moved on
     comparisons: int = 0  # shadows that agreed with the served answer (traffic's voucher)
+    # (rows, padded length, count): batches whose answer at count equalled the configured
+    # count's, written as verified shapes (``add_verified_shapes``: the incremental voucher)
+    shapes: set[tuple[int, int, int]] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.samples or self.learned or self.comparisons)
+        return bool(self.samples or self.learned or self.comparisons or self.shapes)
 
 
 class RecordSync:
@@ -56,8 +59,10 @@ class RecordSync:
         taken, self.pending, self.last_flush = self.pending, Pending(), now
         return taken
 
-    def write(self, taken: Pending, learned: dict[int, tuple[int, float, int]]) -> None:
-        """Write ``taken`` and ``learned`` (range -> count, speed-up, verified passes)."""
+    def write(self, taken: Pending, learned: dict[int, tuple[int, float, int]],
+              configured: int) -> None:
+        """Write ``taken`` and ``learned`` (range -> count, speed-up, verified passes); the
+        shapes verified against ``configured``."""
         scope = self.scope
 
         def write(record: HostRecord) -> None:
@@ -67,6 +72,8 @@ class RecordSync:
                 record.put_learned(scope, lo, n, up, passes)
             if taken.comparisons:
                 record.add_voucher(scope, "traffic", taken.comparisons, 0)
+            if taken.shapes:
+                record.add_verified_shapes(scope, configured, taken.shapes)
 
         self.guard("flush", write)
 

@@ -129,15 +129,17 @@ def build(inp: ReportInput) -> dict:
                                    "shadows, and its served forwards at the count served"})
     notes = []
     if inp.mode is AdaptiveMode.SERVE and not inp.voucher.vouches:
+        bad = inp.voucher.mismatches + inp.voucher.shape_mismatches
         notes.append("mode 2 acts as mode 1: the host record has no voucher of bit-identity "
-                     "across counts for this host, revision and backend (run `vllm-srun threads "
-                     "verify`)" + (f"; {inp.voucher.mismatches} mismatches recorded"
-                                   if inp.voucher.mismatches else "")
+                     "across counts for this host, revision and backend (shadows verify the "
+                     "shapes traffic brings, one by one; `vllm-srun threads verify` sweeps "
+                     "them up front)" + (f"; {bad} mismatches recorded" if bad else "")
                      + (f"; {inp.voucher.legacy} sweep(s) from before sweeps recorded what they "
                         "covered vouch for nothing" if inp.voucher.legacy else ""))
     if inp.mode is AdaptiveMode.SERVE and inp.uncovered:
-        notes.append(f"{inp.uncovered} forwards at a learned range ran at the configured count: "
-                     "their shape or count is outside every voucher's coverage")
+        notes.append(f"{inp.uncovered} forwards ran at the configured count where another was "
+                     "due: no sweep covered their shape and count, nor was that shape verified "
+                     "yet (a shadow verifies it)")
     if inp.drift is not None and inp.scope.backend == "torch":
         notes.append(CBWR_REMEDY)
     if inp.locked_reason:
@@ -157,7 +159,11 @@ def build(inp: ReportInput) -> dict:
                     "mismatches": inp.voucher.mismatches, "swept": inp.voucher.swept,
                     "vouches": inp.voucher.vouches,
                     "coverage": [{**asdict(c), "counts": list(c.counts)}
-                                 for c in inp.voucher.coverages]},
+                                 for c in inp.voucher.coverages],
+                    # count -> shapes verified one by one against the configured count
+                    "shapes_verified": {str(n): k for n, k in
+                                        inp.voucher.shapes_verified(inp.configured).items()},
+                    "shape_mismatches": inp.voucher.shape_mismatches},
         "uncovered_forwards": inp.uncovered,
         "learning": inp.learning,
         "drift": None if inp.drift is None else {
@@ -197,7 +203,7 @@ def off_report(configured: int | None, note: str = OFF_REASON,
         "allowed_counts": [configured] if configured is not None else [],
         "scope": None, "record": None,
         "voucher": {"comparisons": 0, "mismatches": 0, "swept": 0, "vouches": False,
-                    "coverage": []},
+                    "coverage": [], "shapes_verified": {}, "shape_mismatches": 0},
         "uncovered_forwards": 0, "learning": {}, "drift": None, "locked_reason": note,
         "decision_statistic": DECISION_STATISTIC, "decision_margin": None,
         "decision_min_samples": None, "notes": [note], "ranges": []})
@@ -263,6 +269,9 @@ def table(report: dict) -> str:
            f"their samples"]
     for c in report["voucher"].get("coverage", []):
         top.append(f"  vouched: counts {c['counts']}, {coverage_text(c)}")
+    if shapes := report["voucher"].get("shapes_verified"):
+        top.append("  shapes verified one by one against the configured count: " + ", ".join(
+            f"{k} at {n} threads" for n, k in shapes.items()))
     if report["drift"]:
         d = report["drift"]
         shape = (f"{d['rows']} rows x {d['padded_length']} = " if d.get("rows") else "")
