@@ -4,6 +4,7 @@ back from the host record (``HostRecord.voucher``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -62,7 +63,7 @@ class Voucher:
     _pairs: frozenset[tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_pairs", frozenset((n, c) for _, _, n, c in self.verified))
+        object.__setattr__(self, "_pairs", _pairs(self.verified))
 
     @property
     def clean(self) -> bool:
@@ -97,6 +98,13 @@ class Voucher:
 
     def _sweeps(self) -> tuple[Coverage, ...]:
         return self.coverages if self.swept and self.comparisons > 0 else ()
+
+
+@functools.lru_cache(maxsize=16)
+def _pairs(verified: frozenset[VerifiedShape]) -> frozenset[tuple[int, int]]:
+    """(count, configured) of ``verified``: a record read back unchanged hands the same set
+    again (``HostRecord._verified``), whose hash a frozenset keeps, so this is not redone."""
+    return frozenset((n, c) for _, _, n, c in verified)
 
 
 def shape_item(item: tuple[int, int, int], configured: int) -> tuple[int, int, int]:

@@ -55,6 +55,39 @@ def test_verify_report_reset(tmp_path):
     assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 62
 
 
+def test_a_bounded_sweep_vouches_for_exactly_what_it_compared_and_a_rerun_goes_on(tmp_path):
+    """R4.8: `--max-shapes 10` compares 10 of the 62 shapes, records each one by one and says
+    what it left; it vouches for no bounds (no coverage), only those shapes. A run without
+    the bound skips the 10, compares the other 52 and records the bounds: 62 comparisons in
+    all, each shape once."""
+    record = str(tmp_path / "r.sqlite")
+    verify = ("threads", "verify", L3, "--threads", "1", "--max-threads", "2", "--record",
+              record, *SMALL)
+    r = run_cli(*verify, "--max-shapes", "10")
+    assert r.returncode == 0, r.stderr
+    assert "0 verified already, 62 to compare" in r.stderr and "at most 10 shapes" in r.stderr
+    assert "stopped at --max-shapes: 10 of 62 shapes compared, bit-identical" in r.stdout
+    assert "52 left: run again to go on" in r.stdout
+    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
+        "reports"]
+    v = rep["voucher"]
+    assert (v["vouches"], v["swept"], v["coverage"], v["comparisons"]) == (True, False, [], 10)
+    assert v["shapes_verified"] == {"2": 10}
+    r = run_cli(*verify)
+    assert r.returncode == 0, r.stderr
+    assert "10 verified already, 52 to compare" in r.stderr
+    assert "bit-identical across counts [1, 2] in all 52 comparisons" in r.stdout
+    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
+        "reports"]
+    v = rep["voucher"]
+    assert (v["vouches"], v["swept"], v["comparisons"]) == (True, True, 62)
+    assert v["shapes_verified"] == {"2": 62} and v["coverage"][0]["shapes"] == 62
+    text = run_cli("threads", "report", "--record", record).stdout
+    assert "shapes verified one by one against the configured count: 62 at 2 threads" in text
+    r = run_cli(*verify)
+    assert r.returncode == 0 and "every shape of the sweep was verified already" in r.stdout
+
+
 def test_verify_with_one_count_records_nothing(tmp_path):
     """R4.8: a sweep that compares nothing vouches for nothing, and says so."""
     record = tmp_path / "r.sqlite"
@@ -66,6 +99,8 @@ def test_verify_with_one_count_records_nothing(tmp_path):
 
 @pytest.mark.parametrize(("flags", "message"), [
     (("--max-num-seqs", "0"), "--max-num-seqs must be a positive integer"),
+    (("--budget-s", "0"), "--budget-s must be a positive integer"),
+    (("--max-shapes", "x"), "--max-shapes must be a positive integer"),
     (("--max-tokens", "4096"), "above paraphrase-MiniLM-L3-v2's limit of 128"),
     (("--min-tokens", "50", "--max-tokens", "40"), "--min-tokens 50 is above --max-tokens 40"),
 ])

@@ -9,6 +9,11 @@ many and forwards long, a stratified sample: per stratum (size range of padded t
 power-of-two row count) its largest shape, its smallest and ``per_stratum - 2`` drawn at
 random (seeded). The ``Coverage`` the sweep returns says which, and mode 2 serves a learned
 count only for counts and shapes inside it.
+
+A sweep may also stop early (``until``: a time budget, a number of shapes): it then vouches
+for no bounds, only for the shapes it compared, each recorded one by one as it goes
+(``on_shape``), as traffic's shadows record theirs. ``order_shapes`` puts the size ranges
+traffic reached first, so a bounded sweep spends its time where forwards are served.
 """
 
 from __future__ import annotations
@@ -103,23 +108,45 @@ def shape_batch(shape: Shape, rng: np.random.Generator) -> TokenBatch:
                                 for _ in range(rows - 1)])
 
 
+def order_shapes(shapes: list[Shape], weights: dict[int, int]) -> list[Shape]:
+    """``shapes``, those of the size ranges (padded tokens) with the most ``weights`` (the
+    timing samples the record holds per range: what traffic reached) first, smallest first
+    within each and among the rest."""
+    return sorted(shapes, key=lambda s: (-weights.get(size_range(s[0] * s[1])[0], 0),
+                                         s[0] * s[1], s))
+
+
+def unverified(shapes: list[Shape], verified: frozenset[tuple[int, int, int, int]],
+               configured: int, counts: tuple[int, ...]) -> list[Shape]:
+    """The shapes not yet verified one by one at every count against ``configured``."""
+    others = [n for n in counts if n != configured]
+    return [s for s in shapes if not all((*s, n, configured) in verified for n in others)]
+
+
 @dataclass
 class SweepResult:
     comparisons: int = 0
     mismatches: int = 0
     shapes: int = 0  # shapes swept so far
+    stopped: bool = False  # ``until`` ended it before its last shape
     by_range: dict[int, list[int]] = field(default_factory=dict)  # lo -> [comparisons, bad]
     first_mismatch: dict | None = None
 
 
 def sweep(forward: Callable[[TokenBatch, int], ForwardResult], configured: int,
           counts: tuple[int, ...], shapes: list[Shape], seed: int = 0,
-          progress: Callable[[SweepResult, int], None] | None = None) -> SweepResult:
+          progress: Callable[[SweepResult, int], None] | None = None,
+          until: Callable[[SweepResult], bool] | None = None,
+          on_shape: Callable[[Shape, int, bool], None] | None = None) -> SweepResult:
     """Run each shape at the configured count, then at every other count, and compare the
-    bits. ``progress(result, total)`` after each shape."""
+    bits. ``progress(result, total)`` after each shape; ``on_shape(shape, count, equal)``
+    after each comparison; ``until(result)`` true before a shape: stop there."""
     rng = np.random.default_rng(seed)
     result = SweepResult()
     for shape in shapes:
+        if until is not None and until(result):
+            result.stopped = True
+            break
         batch = shape_batch(shape, rng)
         reference = output_bits(forward(batch, configured).outputs)
         tally = result.by_range.setdefault(size_range(batch.padded_tokens)[0], [0, 0])
@@ -129,7 +156,10 @@ def sweep(forward: Callable[[TokenBatch, int], ForwardResult], configured: int,
             out = output_bits(forward(batch, n).outputs)
             result.comparisons += 1
             tally[0] += 1
-            if not np.array_equal(out, reference):
+            equal = np.array_equal(out, reference)
+            if on_shape is not None:
+                on_shape(shape, n, equal)
+            if not equal:
                 result.mismatches += 1
                 tally[1] += 1
                 if result.first_mismatch is None:

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 
 from vllm_srun.runtime.artifact import DEFAULT_MODEL
@@ -23,7 +24,9 @@ def add_threads_commands(sub, add_threads_flags) -> None:
     verify = tsub.add_parser(
         "verify", help="sweep every forward shape the engine can run (rows x padded length) at "
                        "every allowed count and record whether all answers were bit-identical "
-                       "and what was covered (the voucher mode 2 needs)")
+                       "and what was covered (the voucher mode 2 needs; mode 2 also verifies "
+                       "the shapes its traffic brings, one by one). Shapes verified already "
+                       "are skipped; size ranges traffic reached go first")
     reset = tsub.add_parser("reset", help="forget drift, learned counts and timings for this "
                                           "host, model revision and backend")
     for p in (verify, reset):
@@ -55,6 +58,13 @@ def add_threads_commands(sub, add_threads_flags) -> None:
     verify.add_argument("--max-tokens", type=_positive("--max-tokens"), default=None,
                         help="longest padded length to cover (default: the model's limit); "
                              "longer forwards stay at the configured count in mode 2")
+    verify.add_argument("--budget-s", type=_positive("--budget-s"), default=None,
+                        help="stop after this many seconds; the shapes compared by then are "
+                             "recorded one by one (mode 2 serves learned counts for exactly "
+                             "those), and a later run goes on from there (default: no limit)")
+    verify.add_argument("--max-shapes", type=_positive("--max-shapes"), default=None,
+                        help="compare at most this many shapes, recorded as --budget-s says "
+                             "(default: every shape of the sweep)")
     report = tsub.add_parser("report", help="per size range: served count, each count's "
                                             "median/p90 forward time, learned count, state")
     report.add_argument("--record", default=None, help="host record file")
@@ -110,11 +120,10 @@ def _verify(args: argparse.Namespace) -> int:
     from vllm_srun.runtime.artifact import resolve
     from vllm_srun.runtime.backend import load_backend
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
-    from vllm_srun.runtime.threads import ThreadContext
     from vllm_srun.server.worker.assembly import scope_for
     from vllm_srun.tuner.modes import allowed_counts, max_threads
     from vllm_srun.tuner.report import coverage_text
-    from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
+    from vllm_srun.tuner.verify import ShapeBounds, order_shapes, plan_sweep, unverified
 
     budget = cpu_budget()
     configured = configured_threads(budget, args.threads)
@@ -139,45 +148,111 @@ def _verify(args: argparse.Namespace) -> int:
     backend = load_backend(manifest, args.backend, precision=args.dtype)
     scope = scope_for(manifest, backend, budget, args.dtype)
     record = _open(args)
-    context = ThreadContext()
-    total_tokens = sum(r * n for r, n in plan.shapes)
-    print(f"verify: {manifest.name} rev {manifest.revision} backend {args.backend} precision "
-          f"{args.dtype}, counts "
-          f"{list(counts)} against {configured}; {len(plan.shapes)} shapes "
-          f"({total_tokens} padded tokens per count): "
-          f"{coverage_text(asdict(coverage))}", file=sys.stderr)
-    done_tokens = list(itertools.accumulate(r * n for r, n in plan.shapes))
-    bar = Progress("verify", total_tokens)
-
-    def counts_text(res) -> str:
-        return (f"{res.shapes}/{len(plan.shapes)} shapes, {res.comparisons} comparisons, "
-                f"{res.mismatches} mismatches")
-
-    try:
-        result = sweep(lambda b, n: context.run(n, lambda: backend.forward(b, n)), configured,
-                       counts, plan.shapes,
-                       progress=lambda res, _total: bar.update(done_tokens[res.shapes - 1],
-                                                               counts_text(res)))
-    finally:
-        context.shutdown()
-    bar.finish(counts_text(result))
-    if result.comparisons == 0:
-        print("nothing compared: no voucher recorded")
+    voucher = record.voucher(scope)
+    if voucher.shape_mismatches or voucher.mismatches:
+        print("answers already differed across counts for this scope: nothing can vouch "
+              "until `vllm-srun threads reset`")
         return 1
-    record.add_voucher(scope, "verify", result.comparisons, result.mismatches, coverage)
+    todo = unverified(plan.shapes, voucher.verified, configured, counts)
+    todo = order_shapes(todo, {lo: sum(map(len, by.values()))
+                               for lo, by in record.timings(scope).items()})
+    print(f"verify: {manifest.name} rev {manifest.revision} backend {args.backend} precision "
+          f"{args.dtype}, counts {list(counts)} against {configured}; {len(plan.shapes)} "
+          f"shapes: {coverage_text(asdict(coverage))}; {len(plan.shapes) - len(todo)} verified "
+          f"already, {len(todo)} to compare ({sum(r * n for r, n in todo)} padded tokens per "
+          f"count){_bounds_text(args)}", file=sys.stderr)
+    result, writer = _run_sweep(args, backend, record, scope, configured, counts, todo)
+    complete = not result.stopped
+    if complete and result.comparisons:
+        record.add_voucher(scope, "verify", result.comparisons, result.mismatches, coverage)
+    elif result.comparisons:  # counted, covering only the shapes it recorded one by one
+        record.add_voucher(scope, "verify-shapes", result.comparisons, result.mismatches)
     print(f"{'range':>12}  {'comparisons':>11}  {'mismatches':>10}")
     for lo in sorted(result.by_range):
         c, bad = result.by_range[lo]
         print(f"{f'{lo}-{2 * lo - 1}':>12}  {c:>11}  {bad:>10}")
-    print(f"covered: counts {list(coverage.counts)}; {coverage_text(asdict(coverage))}")
     if result.mismatches:
         print(f"NOT bit-identical across counts: {result.mismatches} of {result.comparisons} "
               f"comparisons differ; first: {json.dumps(result.first_mismatch)}; mode 2 will "
               "not serve learned counts for this scope until `vllm-srun threads reset`")
         return 1
-    print(f"bit-identical across counts {list(counts)} in all {result.comparisons} comparisons; "
-          f"voucher recorded for host {scope.fingerprint} in {record.path}")
+    if complete and not result.comparisons:
+        print(f"every shape of the sweep was verified already, one by one ({len(plan.shapes)});"
+              " nothing compared, no new voucher")
+        return 0
+    if complete:
+        print(f"covered: counts {list(coverage.counts)}; {coverage_text(asdict(coverage))}")
+        print(f"bit-identical across counts {list(counts)} in all {result.comparisons} "
+              f"comparisons; voucher recorded for host {scope.fingerprint} in {record.path}")
+        return 0
+    left = len(todo) - result.shapes
+    print(f"stopped at {'--budget-s' if writer.budget_hit else '--max-shapes'}: "
+          f"{result.shapes} of {len(todo)} shapes compared, bit-identical, each recorded one "
+          f"by one (mode 2 serves learned counts for exactly these shapes; {left} left: run "
+          "again to go on)")
     return 0
+
+
+def _bounds_text(args: argparse.Namespace) -> str:
+    limits = [f"at most {args.budget_s} s" if args.budget_s else "",
+              f"at most {args.max_shapes} shapes" if args.max_shapes else ""]
+    return f"; {' and '.join(x for x in limits if x)}" if any(limits) else ""
+
+
+class _ShapeWriter:
+    """Records the sweep's comparisons one shape at a time, in one transaction every
+    ``every_s`` (an interrupted sweep keeps what it compared), and says when to stop."""
+
+    def __init__(self, record, scope, configured: int, args: argparse.Namespace,
+                 every_s: float = 2.0) -> None:
+        self.record, self.scope, self.configured = record, scope, configured
+        self.max_shapes, self.every_s = args.max_shapes, every_s
+        self.deadline = time.monotonic() + args.budget_s if args.budget_s else None
+        self.equal: list[tuple[int, int, int]] = []
+        self.differed: list[tuple[int, int, int]] = []
+        self.last, self.budget_hit = time.monotonic(), False
+
+    def add(self, shape: tuple[int, int], count: int, equal: bool) -> None:
+        (self.equal if equal else self.differed).append((*shape, count))
+        if time.monotonic() - self.last >= self.every_s:
+            self.write()
+
+    def write(self) -> None:
+        self.record.add_verified_shapes(self.scope, self.configured, self.equal, self.differed,
+                                        source="verify")
+        self.equal, self.differed, self.last = [], [], time.monotonic()
+
+    def stop(self, result) -> bool:
+        self.budget_hit = self.deadline is not None and time.monotonic() >= self.deadline
+        return self.budget_hit or (self.max_shapes is not None
+                                   and result.shapes >= self.max_shapes)
+
+
+def _run_sweep(args, backend, record, scope, configured, counts, todo):
+    """The sweep of ``todo`` with a progress bar and ETA, its shapes recorded as it goes."""
+    from vllm_srun.runtime.threads import ThreadContext
+    from vllm_srun.tuner.verify import sweep
+
+    context = ThreadContext()
+    done_tokens = list(itertools.accumulate(r * n for r, n in todo))
+    bar = Progress("verify", done_tokens[-1] if done_tokens else 0)
+    writer = _ShapeWriter(record, scope, configured, args)
+
+    def counts_text(res) -> str:
+        return (f"{res.shapes}/{len(todo)} shapes, {res.comparisons} comparisons, "
+                f"{res.mismatches} mismatches")
+
+    try:
+        result = sweep(lambda b, n: context.run(n, lambda: backend.forward(b, n)), configured,
+                       counts, todo,
+                       progress=lambda res, _total: bar.update(done_tokens[res.shapes - 1],
+                                                               counts_text(res)),
+                       until=writer.stop, on_shape=writer.add)
+    finally:
+        context.shutdown()
+        writer.write()
+    bar.finish(counts_text(result))
+    return result, writer
 
 
 def _report(args: argparse.Namespace) -> int:
