@@ -381,3 +381,28 @@ def test_mode2_without_a_sweep_serves_a_learned_count_only_for_shapes_traffic_ve
     assert report["voucher"]["vouches"] and not report["voucher"]["swept"]
     assert report["voucher"]["shapes_verified"]["2"] == len(verified) + 1
     assert "shapes verified one by one" in table(report)
+
+
+def test_an_idle_mode2_worker_verifies_shapes_on_its_own(tmp_path):
+    """R4.8: with no sweep, a mode-2 worker left idle verifies shapes itself: those it served,
+    then the one-row shapes of the size ranges its traffic reached (16-31 here, from one
+    row of 30), none longer than the longest it served. Each is recorded one by one and
+    covers exactly that shape."""
+    backend = load_backend(M, "onnxruntime")
+    path = tmp_path / "r.sqlite"
+    runner, tuner = start(backend, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS)
+    scope = Scope("test-host", M.revision, "onnxruntime")
+    wanted = {(1, n, 2, 1) for n in range(16, 31)}
+    try:
+        serve_paced(runner, tuner, row(30))
+        runner.engine.submit([row(20, 0), row(20, 1)]).result(timeout=60)
+        assert wait_for(lambda: wanted <= HostRecord(path).voucher(scope).verified, 60), \
+            sorted(HostRecord(path).voucher(scope).verified)
+        assert wait_for(lambda: wanted <= tuner.voucher.verified, WATCH_DEADLINE_S)
+        verified = HostRecord(path).voucher(scope).verified
+    finally:
+        runner.stop()
+    assert (2, 20, 2, 1) in verified  # served, two rows
+    assert not any(length > 30 for _, length, _, _ in verified)  # longer than any served
+    assert tuner.idle_verifier.verified >= len(wanted) - 1  # (1 x 30: a shadow's, maybe)
+    assert tuner.voucher.covers(1, 17, 2, 1) and not tuner.voucher.covers(1, 31, 2, 1)

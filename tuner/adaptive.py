@@ -58,6 +58,7 @@ from vllm_srun.tuner.estimator import (
     typical,
 )
 from vllm_srun.tuner.freezer import Freezer
+from vllm_srun.tuner.idle_verify import IdleVerifier
 from vllm_srun.tuner.jobs import JobBoard
 from vllm_srun.tuner.ledger import ExactnessLedger, Refusal, first_difference, output_bits
 from vllm_srun.tuner.modes import AdaptiveMode
@@ -147,6 +148,7 @@ class AdaptiveThreads:
         self.budget = ShadowBudget(self.settings.budget_fraction, self.settings.budget_window_s,
                                    clock())
         self.shadow_wall_s = 0.0  # ... and what they took in wall time
+        self.idle_verifier = IdleVerifier(self)  # mode 2: shapes verified in idle time
         self._loop: ShadowLoop | None = None
         self._load()
 
@@ -225,8 +227,13 @@ class AdaptiveThreads:
                             "padded_tokens=%d", self.worker, event.worker, event.rows,
                             event.padded_tokens)
             else:  # a new sweep, or a reset: ranges start or stop serving at once
-                for lo, r in self.ranges.items():
-                    self._settle(lo, r)
+                self.voucher_changed()
+
+    def voucher_changed(self) -> None:
+        """The voucher changed (the tuner's lock held): each range starts or stops serving
+        its learned count as the ledger now admits it."""
+        for lo, r in self.ranges.items():
+            self._settle(lo, r)
 
     def close(self) -> None:
         self.freezer.close()
@@ -381,6 +388,7 @@ class AdaptiveThreads:
                 self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or self.locked_reason is not None or self.retired is not None:
                 return
+            self.idle_verifier.note(batch)
             lo = size_range(batch.padded_tokens)[0]
             r = self.ranges.setdefault(lo, RangeLearning())
             s = self.settings

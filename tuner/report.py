@@ -85,6 +85,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            # failed shadow forwards (the shadow process died or hung, and
                            # was started again), each retried after a backoff
                            "shadow_faults": t.shadow_faults,
+                           "shapes_verified_in_idle_time": t.idle_verifier.verified,
                            "shadow_wall_seconds": round(t.shadow_wall_s, 3),
                            "shadow_budget_seconds": round(t.shadow_budget_s(), 3),
                            # R4.5 amended: shadows run at normal priority beside served

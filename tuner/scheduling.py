@@ -158,6 +158,17 @@ class ShadowGate:
         elif clean:
             self._held_run = 0
 
+    def may_share(self, now: float, need_s: float | None) -> bool:
+        """A shadow that shares the served forwards' cores and is no due work (mode 2's idle
+        verification, ``idle_verify``) may start now: served forwards took at most
+        ``busy_max`` of the last window, the worker has been idle ``quiet_s``, no backoff
+        runs, and, where its length ``need_s`` is known, the next served forward will likely
+        not cut in."""
+        idle_s = now - self.idle_since
+        return (self.busy_share(now) <= self.settings.busy_max and idle_s >= self.quiet(now)
+                and now >= self._sharing_after
+                and (need_s is None or likely_uninterrupted(self.gaps, idle_s, need_s)))
+
     # -- the choice --------------------------------------------------------------------------
     def next_shadow(self, now: float, jobs: Mapping[int, ShadowJob],
                     ranges: Mapping[int, RangeLearning], mode: AdaptiveMode) -> Due | None:

@@ -385,9 +385,13 @@ class ShadowLoop:
                 continue
             if t.flush_due():
                 t.flush()
+            if t.idle_verifier.step():  # nothing else due: verify a shape (mode 2)
+                self._retry_s = 0.0
+                continue
             with t.lock:  # woken when a served forward ends, or a shadow may start
                 if not self._stop:
-                    wait_s = 0.05 if t.board.jobs else t.settings.flush_s
+                    wait_s = 0.05 if t.board.jobs or t.idle_verifier.pending() else \
+                        t.settings.flush_s
                     if t._sharing_at > (now := t.clock()):
                         wait_s = min(wait_s, t._sharing_at - now)
                     t.lock.wait(timeout=wait_s)

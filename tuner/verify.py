@@ -28,7 +28,7 @@ from vllm_srun.runtime.batching import length_bucket
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
-from vllm_srun.tuner.adaptive import output_bits
+from vllm_srun.tuner.ledger import output_bits
 
 EXHAUSTIVE_PADDED = 1024  # every shape up to this many padded tokens is swept
 PER_STRATUM = 3  # shapes sampled per stratum above it
