@@ -169,6 +169,8 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
     a, ta = start(slow, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS, settings)
     b, tb = start(slow, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS, settings)
     ta.worker, tb.worker = "replica a pid 1", "replica b pid 2"
+    for t in (ta, tb):  # served answers only: in idle time a worker would meet the drifting
+        t.idle_verifier.step = lambda: False  # shape on its own, before any is served
     try:
         for runner, tuner in ((a, ta), (b, tb)):
             serve_until_serving(runner, tuner, lo, covered)
@@ -345,10 +347,11 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
 def test_mode2_without_a_sweep_serves_a_learned_count_only_for_shapes_traffic_verified(
         tmp_path):
     """R4.6, R4.8: no sweep ran. Shadows at 2 threads of batches served at 1 that reproduced
-    the answer bit for bit verify exactly those shapes (rows x padded length), so mode 2
-    serves its learned count for them; another shape of the same range (1 x 22) stays at the
-    configured count until a shadow of it, run because it was served uncovered, verifies it
-    too. The record holds exactly the verified shapes; the report counts them."""
+    the answer bit for bit verify exactly those shapes (rows x padded length; in idle time,
+    also the shorter one-row shapes of the range), so mode 2 serves its learned count for
+    them; a shape of the same range longer than any served (1 x 30) stays at the configured
+    count until a shadow of it, run because it was served uncovered, verifies it too. The
+    record holds exactly the verified shapes; the report counts them."""
     backend = load_backend(M, "onnxruntime")
     path = tmp_path / "r.sqlite"
     runner, tuner = start(SlowerAt(backend, 1, 1000.0), HostRecord(path), AdaptiveMode.SERVE, 1,
@@ -360,26 +363,27 @@ def test_mode2_without_a_sweep_serves_a_learned_count_only_for_shapes_traffic_ve
         tuner.flush()  # what the shadows verified so far reaches the record, and comes back
         assert wait_for(lambda: tuner.voucher == HostRecord(path).voucher(scope), 5)
         verified = tuner.voucher.verified
-        assert verified and verified <= {(1, n, 2, 1) for n in (20, 24, 28)}, verified
+        assert verified and all(r == 1 and 16 <= n <= 28 and (k, c) == (2, 1)
+                                for r, n, k, c in verified), verified
         assert not tuner.voucher.swept
         (_, known, _, _) = min(verified)
         before, uncovered = len(runner.served), tuner.uncovered
         serve_paced(runner, tuner, row(known, 7))  # verified: the learned count
-        serve_paced(runner, tuner, row(22, 1))  # same range, unverified: configured
+        serve_paced(runner, tuner, row(30, 1))  # same range, unverified: configured
         assert [(r.padded_tokens, r.num_threads) for r in runner.served[before:]] == \
-            [(known, 2), (22, 1)]
+            [(known, 2), (30, 1)]
         assert tuner.uncovered == uncovered + 1
         # its shadow at 2 threads verified it; the record watch brings it back
-        assert wait_for(lambda: tuner.voucher.covers(1, 22, 2, 1), WATCH_DEADLINE_S), \
+        assert wait_for(lambda: tuner.voucher.covers(1, 30, 2, 1), WATCH_DEADLINE_S), \
             build(from_tuner(tuner))
-        runner.engine.submit([row(22, 2)]).result(timeout=60)
+        runner.engine.submit([row(30, 2)]).result(timeout=60)
         assert runner.served[-1].num_threads == 2
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
-    assert (1, 22, 2, 1) in HostRecord(path).voucher(scope).verified
+    assert (1, 30, 2, 1) in HostRecord(path).voucher(scope).verified
     assert report["voucher"]["vouches"] and not report["voucher"]["swept"]
-    assert report["voucher"]["shapes_verified"]["2"] == len(verified) + 1
+    assert report["voucher"]["shapes_verified"]["2"] >= len(verified) + 1
     assert "shapes verified one by one" in table(report)
 
 
