@@ -20,6 +20,8 @@ calls ``poll_record``. Each call reads plain state and asks the parts that decid
 - ``jobs.JobBoard``: the due batch per range and the backlog of window comparisons.
 - ``contention.ContentionWatch``: mode 2 serving a count below the learned one while other
   tasks hold its cores (not yet folded into the estimator).
+- ``idle_verify.IdleVerifier``: mode 2 verifies, in idle time, shapes no voucher covers yet
+  (written with the flush as verified shapes; the ledger reads them through the voucher).
 
 Samples: a range exploring times each count on its served forwards (the shadow side frozen
 meanwhile, or none beside it) and on shadows; mode 2 with a voucher serves the counts it
