@@ -288,7 +288,7 @@ class AdaptiveThreads:
         if self.settings.background and self.retired is None:
             self._loop = ShadowLoop(self, batches[0])
             self.freezer.start()
-            self.sync.watch(self.poll_record, self.settings.watch_s)
+            self.sync.watch(self.poll_record, self.settings.watch_s, self.worker)
         log.info("threads_golden_passed mode=%d configured=%d counts=%s retired=%s",
                  self.mode, self.configured, list(self.counts), self.retired is not None)
         return None

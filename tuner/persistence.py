@@ -6,12 +6,14 @@ retires this one within a second). Nothing here runs on the served path."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_srun.records.host_record import HostRecord, HostRecordError, Scope
+from vllm_srun.tuner.cadence import waits
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +79,10 @@ class RecordSync:
 
         self.guard("flush", write)
 
-    def watch(self, poll: Callable[[], None], interval_s: float) -> None:
+    def watch(self, poll: Callable[[], None], interval_s: float,
+              worker: str | None = None) -> None:
         if self.record is not None and self._watch is None:
-            self._watch = RecordWatch(poll, interval_s)
+            self._watch = RecordWatch(poll, interval_s, worker)
 
     def stop_watch(self) -> None:
         if self._watch is not None:
@@ -88,16 +91,23 @@ class RecordSync:
 
 
 class RecordWatch:
-    """The tuner's record-reading thread: ``poll`` every ``interval_s`` until stopped."""
+    """The tuner's record-reading thread: ``poll`` every ``interval_s`` until stopped. Named
+    by its worker, it reads at that worker's own phase and jittered period
+    (``cadence.waits``, R4.12): the workers of a host do not read the record, and so do not
+    react to what another wrote, in lockstep; every read still comes within
+    ``interval_s * (1 + cadence.JITTER)`` of the last."""
 
-    def __init__(self, poll: Callable[[], None], interval_s: float) -> None:
-        self._poll, self._interval_s = poll, interval_s
+    def __init__(self, poll: Callable[[], None], interval_s: float,
+                 worker: str | None = None) -> None:
+        self._poll = poll
+        self._waits = waits(worker, interval_s) if worker is not None else \
+            itertools.repeat(interval_s)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="record-watch", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(next(self._waits)):
             try:
                 self._poll()
             except Exception:  # a read that fails is retried at the next interval
