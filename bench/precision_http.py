@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from bench.adaptive_wrk import lua, wrk
@@ -41,6 +42,7 @@ MODEL = "all-MiniLM-L6-v2"
 DTYPES = ("float32", "bfloat16", "int8")
 LEVELS = (1, 16)
 WARM_S = 3.0
+ADAPTIVE = "vllm-srun `--adaptive-threads serve`, fresh record, no sweep"
 
 
 def ours_has_dtype() -> bool:
@@ -79,23 +81,40 @@ def server_table(infinity: str | None, has_dtype: bool,
             [infinity, "v2", "--model-id", folder, "--engine", "torch", "--dtype", dtype,
              "--port", "{port}", "--served-model-name", MODEL, "--url-prefix", "/v1"]
             if infinity else None)
+    # mode 2 as a user starts it: a fresh host record, no sweep (it verifies the shapes its
+    # traffic brings), learning under the bench's own 16-client load for ``--learn-s`` first
+    table[ADAPTIVE] = [sys.executable, "-m", "vllm_srun.server", "serve", MODEL, "--port",
+                       "{port}", "--cache-entries", "0", "--log-level", "warning",
+                       "--adaptive-threads", "serve", "--record", "{record}"]
     if peers:  # sentence-transformers' encode behind FastAPI, as a user would write it
         table["sentence-transformers + FastAPI, 2 threads"] = [
             sys.executable, "-m", "bench.peers.st_fastapi", str(folder), "{port}", "2"]
     return table
 
 
-def measure(cmd: list[str], script: str, seconds: float, seed: int) -> dict:
+def measure(cmd: list[str], script: str, seconds: float, seed: int,
+            learn_s: float = 0.0) -> dict:
+    """One server: started, warmed, then each level. An adaptive one (``{record}`` in its
+    command: a fresh record) first learns under 16 connections for ``learn_s``."""
     port = free_port()
     t0 = time.monotonic()
-    proc = Proc([c.replace("{port}", str(port)) for c in cmd], f"http://127.0.0.1:{port}",
+    learns = any("{record}" in c for c in cmd)
+    record = tempfile.mkdtemp(prefix="bench-record-") + "/record.sqlite"
+    cmd = [c.replace("{port}", str(port)).replace("{record}", record) for c in cmd]
+    proc = Proc(cmd, f"http://127.0.0.1:{port}",
                 env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                      "INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"})
     out: dict = {"start_s": time.monotonic() - t0}
     try:
         wrk(proc.url, script, 1, WARM_S, seed=seed + 999)
+        if learns and learn_s > 0:
+            out["learn"] = wrk(proc.url, script, max(LEVELS), learn_s, seed=seed + 777)
+            out["learn"]["seconds"] = learn_s
         for level in LEVELS:
             out[str(level)] = wrk(proc.url, script, level, seconds, seed=seed + level)
+        if learns:  # what it learned and served, as its report says
+            with urllib.request.urlopen(proc.url + "/v1/threads", timeout=30) as answer:
+                out["threads"] = json.load(answer)
     finally:
         proc.stop()
     return out
@@ -121,10 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--servers", default="",
                         help="comma-separated substrings; run only servers whose name has one")
+    parser.add_argument("--learn-s", type=float, default=120.0,
+                        help="adaptive servers: seconds of 16-connection load before measuring")
     parser.add_argument("--out", default="bench/results/precision_http.json")
     args = parser.parse_args(argv)
-    if args.seconds < 1 or args.rounds < 1:
-        raise SystemExit("--seconds must be >= 1 and --rounds >= 1")
+    if args.seconds < 1 or args.rounds < 1 or args.learn_s < 0:
+        raise SystemExit("--seconds must be >= 1, --rounds >= 1 and --learn-s >= 0")
     if args.infinity and not Path(args.infinity).is_file():
         raise SystemExit(f"--infinity: no such file {args.infinity!r}")
     has_dtype = ours_has_dtype()
@@ -143,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                 if cmd is None:
                     continue
                 try:
-                    results[name].append(measure(cmd, script.name, args.seconds, 1000 * r))
+                    results[name].append(measure(cmd, script.name, args.seconds, 1000 * r,
+                                                 args.learn_s))
                 except (TimeoutError, OSError, subprocess.SubprocessError) as exc:
                     print(f"{name}: did not run ({exc})", flush=True)
                     continue
