@@ -129,6 +129,7 @@ class AdaptiveThreads:
         self.board = JobBoard(self.settings.window, self._toward_window)
         self.paid = PaidShare(self.settings.learning_share)
         self._shadow_paid = False  # the shadow running now is a paid one: never frozen
+        self._shadow_lo = 0  # ... and its range (``_shadow_starved``)
         self._busy = 0  # served forwards running now
         self._epoch = 0  # served forwards started plus ended
         self._shadowing = 0  # shadow forwards running now
@@ -354,11 +355,23 @@ class AdaptiveThreads:
         sharing = self._shadowing and self._shadow_gated and \
             self._shadow_threads + n > max(self.counts)
         want = self.freezer.available and bool(self._shadowing) and \
-            not self._shadow_paid and bool(sampling or sharing)
+            not self._shadow_paid and bool(sampling or sharing) and \
+            not self._shadow_starved(self.clock())
         frozen = self.freezer.served_started(want)
         self.tally.frozen_beside += frozen and bool(sharing)
         return (frozen, frozen or not self._shadowing, self._shadow_epoch, contention,
                 sampling)
+
+    def _shadow_starved(self, now: float) -> bool:
+        """The shadow in flight belongs to a range whose payable work made no progress for
+        ``starved_s``: timed served forwards no longer freeze it. Under back-to-back load each
+        of them froze it, so it never ended, and while it held the shadow process no paid
+        pass could start either (a 16-connection mode 2 without a voucher: 3,249 freezes and
+        no comparison in 120 s). Unfrozen, it runs in the idle class beside served forwards
+        and ends: its time is no sample (a served forward overlapped it), its comparison
+        still counts, and the learning share may pay for the next."""
+        since = self.board.starved_since.get(self._shadow_lo)
+        return since is not None and now - since >= self.settings.starved_s
 
     def _explore_count(self, r: RangeLearning, serving: int, need: list[int]) -> int:
         """The count with the fewest samples among those a range needs now (ties: the one
@@ -486,7 +499,7 @@ class AdaptiveThreads:
                 return False
             lo, job, count, sharing = due
             epoch = self._epoch
-            self._shadow_gated, self._shadow_paid = sharing, paid
+            self._shadow_gated, self._shadow_paid, self._shadow_lo = sharing, paid, lo
             began = self.clock()
             frozen_before = self.freezer.frozen_total(began)
         try:
