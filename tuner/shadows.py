@@ -37,6 +37,7 @@ from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.lifetime import die_with_parent
 from vllm_srun.runtime.threads import ThreadContext, make_process_idle, set_process_idle
 from vllm_srun.runtime.types import ForwardResult, Manifest, TokenBatch
+from vllm_srun.tuner.run_delay import RunDelay, forward_wait_s
 
 if TYPE_CHECKING:
     from vllm_srun.tuner.adaptive import AdaptiveThreads, Forward
@@ -269,7 +270,7 @@ def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, arm
     backend = load_backend(manifest, backend_name, precision=precision)
     loaded.set()
     context = ThreadContext()
-    waits = RunDelay()
+    waits = RunDelay()  # the forward's own threads' waits (``run_delay``)
     while True:
         try:
             msg = conn.recv()
@@ -282,49 +283,24 @@ def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, arm
         try:
             if paid and not set_process_idle(False):  # normal priority for this job only
                 log.warning("paid_shadow_priority_unavailable action=run_idle")
-            before = waits()
             try:
-                r = context.run(n, lambda b=batch, k=n: backend.forward(b, k))
+                r, waited = context.run(n, lambda b=batch, k=n: _waited(waits, backend, b, k))
             finally:
                 if paid:
                     set_process_idle(True)
-            after = waits()
-            waited = None if before is None or after is None else max(0.0, after - before)
             conn.send((True, (r.outputs, r.num_threads, r.observed_threads, r.forward_s,
                               waited)))
         except Exception as exc:  # reported to the tuner, which logs it
             conn.send((False, repr(exc)))
 
 
-class RunDelay:
-    """Seconds this process's threads have spent runnable but not running, summed (the
-    second field of ``/proc/self/task/<tid>/schedstat``): the shadow process is alone in
-    ``SCHED_IDLE``, so any of it during a shadow is another task holding a CPU its forward
-    wanted (measured here: under 0.05 of the forward's time on a quiet host, over 1.0 at 2
-    threads beside one CPU-bound process, the forward then 3-100x slower). None where the
-    kernel does not keep it."""
-
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
-
-    def __call__(self) -> float | None:
-        try:
-            tids = os.listdir("/proc/self/task")
-        except OSError:
-            return None
-        total = 0
-        for tid in set(self._fds) - set(tids):  # a thread that ended
-            os.close(self._fds.pop(tid))
-        for tid in tids:
-            try:
-                fd = self._fds.get(tid)
-                if fd is None:
-                    fd = self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat",
-                                                  os.O_RDONLY)
-                total += int(os.pread(fd, 128, 0).split()[1])
-            except (OSError, IndexError, ValueError):
-                return None
-        return total / 1e9
+def _waited(waits: RunDelay, backend: Backend, batch: TokenBatch, n: int
+            ) -> tuple[ForwardResult, float | None]:
+    """A forward on its lane, with its threads' waits over just its own time (a lane that
+    waited to be woken is not the count's cost either)."""
+    before = waits.snapshot()
+    r = backend.forward(batch, n)
+    return r, forward_wait_s(before, waits.snapshot(), n, r.forward_s)
 
 
 def shadow_process(manifest: Manifest, backend: str) -> tuple[Forward, Callable[[], None]]:
