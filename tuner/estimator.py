@@ -11,10 +11,10 @@ confidence (``estimate``). Samples are what a served forward at that count takes
   taken as it is; a paid shadow (``share.PaidShare``: normal priority, beside served
   forwards) or one whose threads waited for CPUs is turned into what that count would cost a
   served forward by ``served_cost_ms``: its wall time less the time its threads spent
-  runnable but not running, per thread (``run_delay.forward_wait_s``). Per thread, because the threads of one
-  forward mostly wait at the same moments (a busy CPU holds them all up at the next
-  barrier); where they do not, this leaves some waiting in, so the estimate errs toward
-  fewer threads, the cheap side (a count replaces the configured one only by a margin).
+  runnable but not running, per thread (``run_delay.forward_wait_s``). Per thread, because
+  the threads of one forward mostly wait at the same moments (a busy CPU holds them all up
+  at the next barrier); where they do not, this leaves some waiting in, so the estimate errs
+  toward fewer threads, the cheap side (a count replaces the configured one only by a margin).
 
 Contention is an input, not a mode: a neighbour that slows a count slows its recent samples,
 and the estimate follows them.
