@@ -235,8 +235,36 @@ def test_peer_fields_are_honoured_and_unknown_ones_refused_naming_them(server):
     cut = c.post("/embed", json={"inputs": long_text, "truncate": True})
     assert cut.status_code == 200
     tei_error(c.post("/embed", json={"inputs": [[101, 102]]}), 422, "token-id")
-    tei_error(c.post("/predict", json={"inputs": "x"}), 422, "/predict", "use /embed")
-    tei_error(c.post("/rerank", json={"query": "q", "texts": ["a"]}), 422, "use /embed")
+
+
+@pytest.mark.parametrize("path, target, use", [
+    ("/embed", "classifier_server", "/predict"),
+    ("/embed", "cross_encoder_server", "/rerank"),
+    ("/similarity", "classifier_server", "/predict"),
+    ("/predict", "server", "/embed"),
+    ("/rerank", "server", "/embed"),
+    ("/rerank", "classifier_server", "/predict"),
+])
+def test_a_model_of_another_task_gets_teis_424_on_teis_routes(request, path, target, use):
+    """R7.5, R7.2: TEI answers a model of the wrong type on an inference route with a
+    backend error: its document lists 424 (an ErrorResponse) on each of these routes, and
+    so does this server, with ``error_type`` ``Backend`` and a message naming the route
+    that serves the model. OpenAI's routes keep their 422 ``unsupported``."""
+    inputs = ({"source_sentence": TEXTS[0], "sentences": TEXTS} if path == "/similarity"
+              else TEXTS[0])
+    fallback = {"inputs": inputs, "query": TEXTS[0], "texts": TEXTS}
+    body = openapi_check.example_request(TEI, openapi_check.request_schema(TEI, path), fallback)
+    assert openapi_check.response_schema(TEI, path, "post", "424") == "ErrorResponse"
+    c = request.getfixturevalue(target).client
+    r = c.post(path, json=body)
+    assert tei_error(r, 424, path, f"use {use}")
+    assert (r.json()["error_type"], r.json()["code"]) == ("Backend", "not_available")
+    v1 = {"/embed": ("/v1/embeddings", {"input": "x"}),
+          "/similarity": ("/v1/embeddings", {"input": "x"}),
+          "/predict": ("/v1/classify", {"input": "x"}),
+          "/rerank": ("/v1/rerank", {"query": "q", "documents": ["a"]})}[path]
+    r = c.post(v1[0], json=v1[1])
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "unsupported"), r.text
 
 
 def test_tei_rerank_and_predict_equal_v1_rerank_and_the_heads_logits(cross_encoder_server,

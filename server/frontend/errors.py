@@ -3,8 +3,8 @@ headers. Every error answer of the API goes through :func:`http_error`.
 
 Bodies are ``{"error": {"code", "message"}}``: 400 invalid request, 401 unauthorized, 404
 unknown model, 413 too large, 422 unsupported, 424 not available from this model (TEI's
-``/embed_all`` and ``/embed_sparse``, as TEI answers), 429 overloaded, 503 not ready or a
-failed replica, 504 deadline.
+routes, as TEI answers: a model of another task, ``/embed_all``, ``/embed_sparse``), 429
+overloaded, 503 not ready or a failed replica, 504 deadline.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@
 1.9.3). Requests carry no ``model``: they go to the default deployment (the
 ``system.decision_model`` binding, else the only one). Each goes through the same request
 path as ``/v1`` (``routes.py``), so a vector or score equals the ``/v1`` route's. Errors keep
-the R7.2 status and code, in TEI's body: ``{"error": message, "error_type": ..., "code"}``.
-``/embed_all`` (per-token vectors) and ``/embed_sparse`` (SPLADE) check their request, then
-answer TEI's 424 for a model that cannot give them: the workers pool inside the forward, and
-no model here has SPLADE pooling (an MLM head).
+the R7.2 status and code, in TEI's body: ``{"error": message, "error_type": ..., "code"}``,
+but for a model that cannot give a route's output, answered as TEI answers it (424,
+``Backend``): a model of another task (``/predict`` on an embedder), and ``/embed_all``
+(per-token vectors) and ``/embed_sparse`` (SPLADE) once their request is checked: the
+workers pool inside the forward, and no model here has SPLADE pooling (an MLM head).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ async def embed_route(request: Request) -> Response:
     async def work() -> Response:
         body, dep = await read(request, EmbedBody)
         texts = texts_of(body.inputs, "inputs")
+        _check_task(dep.info, (Task.EMBED,), "/embed")
         truncate = bool(body.truncate)
         check_direction(body.truncation_direction, truncate)
         vectors, _, headers = await embed(
@@ -185,6 +187,7 @@ async def similarity(request: Request) -> Response:
         sentences = texts_of(body.inputs.sentences, "inputs.sentences")
         if not body.inputs.source_sentence:
             raise ApiError("invalid_request", "inputs.source_sentence is an empty string")
+        _check_task(dep.info, (Task.EMBED,), "/similarity")
         truncate = bool(params.truncate)
         check_direction(params.truncation_direction, truncate)
         vectors, _, headers = await embed(
@@ -232,11 +235,15 @@ def _raise(exc: Exception):
 
 
 def _check_task(info: ModelInfo, tasks: tuple[Task, ...], route: str) -> None:
+    """A model of another task is answered as TEI answers one of the wrong type: 424,
+    ``Backend`` (its document lists 424 on each inference route; its router raises a backend
+    error, "model is not a re-ranker model" and the like); the message names the route that
+    serves the model."""
     if info.task not in tasks:
         use = {Task.EMBED: "/embed", Task.CLASSIFY: "/predict", Task.RERANK: "/rerank",
                Task.TOKEN_CLASSIFY: "/v1/classify"}[info.task]
-        raise ApiError("unsupported", f"{route} cannot serve model {info.name!r} "
-                                      f"({info.task.value}); use {use}")
+        raise ApiError("not_available", f"{route} cannot serve model {info.name!r} "
+                                        f"({info.task.value}); use {use}")
 
 
 def predict_inputs(inputs: str | list) -> tuple[list[TextInput], bool]:
