@@ -159,22 +159,21 @@ def _not_available(route: str, info: ModelInfo) -> ApiError:
     return ApiError("not_available", f"{route}: {why}")
 
 
-@router.post("/embed_all", openapi_extra=body_schema(UnpooledBody))
-async def embed_all(request: Request) -> Response:
-    async def work() -> Response:
-        body, dep = await read(request, UnpooledBody)
-        texts_of(body.inputs, "inputs")
-        raise _not_available("/embed_all", dep.info)
-    return await answer(request, "embed_all", work, tei_error)
+def _unpooled_route(route: str) -> None:
+    """Add ``route`` (``/embed_all`` or ``/embed_sparse``): one handler for both, which checks
+    TEI's request, then answers that the model cannot give the output."""
+    async def handler(request: Request) -> Response:
+        async def work() -> Response:
+            body, dep = await read(request, UnpooledBody)
+            texts_of(body.inputs, "inputs")
+            raise _not_available(route, dep.info)
+        return await answer(request, route[1:], work, tei_error)
+    router.add_api_route(route, handler, methods=["POST"], name=route[1:],
+                         openapi_extra=body_schema(UnpooledBody))
 
 
-@router.post("/embed_sparse", openapi_extra=body_schema(UnpooledBody))
-async def embed_sparse(request: Request) -> Response:
-    async def work() -> Response:
-        body, dep = await read(request, UnpooledBody)
-        texts_of(body.inputs, "inputs")
-        raise _not_available("/embed_sparse", dep.info)
-    return await answer(request, "embed_sparse", work, tei_error)
+for _route in ("/embed_all", "/embed_sparse"):
+    _unpooled_route(_route)
 
 
 @router.post("/similarity", openapi_extra=body_schema(SimilarityBody))
