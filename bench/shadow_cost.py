@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from bench.corpus import mixed_length, token_row
 from vllm_srun.records.host_record import Scope
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
@@ -25,16 +26,6 @@ from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.shadows import ShadowProcess, idle_shadows
-
-
-def _row(tokens: int, rng: np.random.Generator) -> list[int]:
-    return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
-
-
-def _length(rng: np.random.Generator) -> int:
-    u = rng.random()
-    return int(rng.integers(6, 24) if u < 0.7 else rng.integers(60, 160) if u < 0.95
-               else rng.integers(200, 256))
 
 
 def run_once(model: str, backend_name: str, learn: str, rate: float, seconds: float,
@@ -70,7 +61,7 @@ def run_once(model: str, backend_name: str, learn: str, rate: float, seconds: fl
         t += float(rng.exponential(1 / rate))
         time.sleep(max(0.0, t - time.perf_counter()))
         sent = time.perf_counter()
-        fut = runner.engine.submit([_row(_length(rng), rng)])
+        fut = runner.engine.submit([token_row(mixed_length(rng), rng)])
 
         def done(_f, sent=sent):
             with lock:

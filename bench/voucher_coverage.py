@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.corpus import mixed_length, token_row
 from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.artifact import DEFAULT_MODEL, resolve
 from vllm_srun.runtime.backend import load_backend
@@ -32,16 +33,6 @@ from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.shadows import ShadowProcess
-
-
-def _row(tokens: int, rng: np.random.Generator) -> list[int]:
-    return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
-
-
-def _length(rng: np.random.Generator) -> int:
-    u = rng.random()
-    return int(rng.integers(6, 24) if u < 0.7 else rng.integers(60, 160) if u < 0.95
-               else rng.integers(200, 256))
 
 
 def _scaled(forward, factor: float):
@@ -115,8 +106,8 @@ def main() -> None:
         t += float(rng.exponential(1 / args.rate))
         time.sleep(max(0.0, t - time.monotonic()))
         rows = 4 if rng.random() < 0.1 else 1
-        length = _length(rng)
-        pending.append(runner.engine.submit([_row(length if i == 0 else max(
+        length = mixed_length(rng)
+        pending.append(runner.engine.submit([token_row(length if i == 0 else max(
             4, length - int(rng.integers(0, 4))), rng) for i in range(rows)]))
     for f in pending:
         f.result(timeout=120)
