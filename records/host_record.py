@@ -2,12 +2,9 @@
 shapes verified one by one and drift events, keyed by scope = (host fingerprint, artifact
 revision, backend, precision).
 
-How it works: one file per host, WAL mode, a busy timeout, and one short transaction per
-write, so several workers can write at once and a killed writer loses nothing committed.
-The file is ours when its ``application_id`` says so; its ``user_version`` is the schema
-version, migrated forward in order. A file that is not SQLite, belongs to someone else or
-comes from a newer schema is moved aside (quarantined) with a warning and a fresh one is
-started: opening a record never crashes a worker. If the record cannot be written at all,
+How it works: one file per host (opened, checked, quarantined or migrated by
+:mod:`.record_file`) and one short transaction per write, so several workers can write at
+once and a killed writer loses nothing committed. If the record cannot be written at all,
 ``HostRecordError`` says why and callers keep learning in memory.
 """
 
@@ -27,16 +24,12 @@ from pathlib import Path
 
 import sqlite_utils
 
-from vllm_srun.records.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
+from vllm_srun.records.record_file import HostRecordError, open_record
 from vllm_srun.records.voucher import Coverage, VerifiedShape, Voucher, shape_item
 
 log = logging.getLogger(__name__)
 
 MAX_SAMPLES = 256  # timing samples kept per (scope, range, count)
-
-
-class HostRecordError(Exception):
-    """The record cannot be opened or written (the message says where and why)."""
 
 
 @dataclass(frozen=True)
@@ -68,118 +61,15 @@ class DriftEvent:
 
 
 class HostRecord:
+    """One host's record, shared by its workers. ``quarantined``: where a file found at
+    ``path`` that was not a usable record was moved (None: nothing was)."""
+
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        self.quarantined: Path | None = None
         self._lock = threading.Lock()
         # scope -> (summary of its verified shapes, what they were then): ``_verified``
         self._shapes_cache: dict[Scope, tuple[tuple, tuple[frozenset[VerifiedShape], int]]] = {}
-        self._conn = self._open()
-
-    # -- opening -------------------------------------------------------------------------
-    def _connect(self) -> sqlite3.Connection:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None,
-                                   check_same_thread=False)
-        except (OSError, sqlite3.Error) as exc:
-            raise HostRecordError(f"cannot open host record {self.path}: {exc}") from exc
-        return conn
-
-    def _open(self) -> sqlite3.Connection:
-        for attempt in range(50):  # another worker may hold the lock while setting up
-            try:
-                return self._open_once()
-            except sqlite3.OperationalError as exc:
-                if not _busy(exc) or attempt == 49:
-                    raise HostRecordError(f"cannot open host record {self.path}: {exc}") from exc
-                time.sleep(0.1)
-        raise AssertionError("unreachable")
-
-    def _open_once(self) -> sqlite3.Connection:
-        conn = self._connect()
-        try:
-            problem = self._check(conn)
-        except sqlite3.DatabaseError as exc:
-            if _busy(exc):  # a lock held by another worker is no damage: retry, never move
-                conn.close()
-                raise
-            problem = f"not a readable SQLite file ({exc})"
-        if problem is None:
-            try:
-                self._migrate(conn)
-                return conn
-            except sqlite3.OperationalError as exc:
-                conn.close()
-                if _busy(exc):
-                    raise
-                raise HostRecordError(f"cannot write host record {self.path}: {exc}") from exc
-            except sqlite3.DatabaseError as exc:
-                problem = f"damaged ({exc})"
-        conn.close()
-        self._quarantine(problem)
-        conn = self._connect()
-        try:
-            self._migrate(conn)
-        except sqlite3.Error as exc:
-            conn.close()
-            raise HostRecordError(f"cannot write host record {self.path}: {exc}") from exc
-        return conn
-
-    def _check(self, conn: sqlite3.Connection) -> str | None:
-        """None if the file is ours (or new); else why it must be moved aside. The header and
-        the tables are read by one statement, so from one snapshot: read apart, a worker
-        that created the tables between the reads made a new record look foreign
-        (application_id 0 with tables), and it was moved aside under the worker writing to
-        it (a kill test lost a writer's committed learnings so, under the full suite's
-        load)."""
-        app_id, version, tables = conn.execute(
-            "SELECT (SELECT application_id FROM pragma_application_id),"
-            " (SELECT user_version FROM pragma_user_version),"
-            " (SELECT count(*) FROM sqlite_master)").fetchone()
-        if app_id == 0 and tables == 0:
-            return None  # new or empty file
-        if app_id != APPLICATION_ID:
-            return f"not a vllm-srun host record (application_id {app_id:#x})"
-        if version > SCHEMA_VERSION:
-            return f"schema version {version} is newer than this program's {SCHEMA_VERSION}"
-        if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-            return "failed SQLite's integrity check"
-        return None
-
-    def _quarantine(self, problem: str) -> None:
-        target = self.path.with_name(f"{self.path.name}.quarantined-{int(time.time())}")
-        for suffix in ("-wal", "-shm"):
-            side = Path(str(self.path) + suffix)
-            if side.exists():
-                side.replace(Path(str(target) + suffix))
-        try:
-            self.path.replace(target)
-        except OSError as exc:
-            raise HostRecordError(
-                f"host record {self.path} is {problem}, and cannot be moved aside: {exc}"
-            ) from exc
-        self.quarantined = target
-        log.warning("host_record_quarantined path=%s moved_to=%s reason=%s",
-                    self.path, target, problem)
-
-    def _migrate(self, conn: sqlite3.Connection) -> None:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        for number in range(version + 1, SCHEMA_VERSION + 1):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                current = conn.execute("PRAGMA user_version").fetchone()[0]
-                if current < number:  # another worker may have migrated meanwhile
-                    for statement in MIGRATIONS[number - 1]:
-                        conn.execute(statement)
-                    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-                    conn.execute(f"PRAGMA user_version = {number}")
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        self._conn, self.quarantined = open_record(self.path)
 
     @contextmanager
     def _write(self) -> Iterator[sqlite_utils.Database]:
@@ -407,11 +297,6 @@ class HostRecord:
                                          ("workers", "golden", "timings", "vouchers",
                                           "verified_shapes")), [])
         return [Scope(**r) for r in rows]
-
-
-def _busy(exc: sqlite3.Error) -> bool:
-    return isinstance(exc, sqlite3.OperationalError) and (
-        "locked" in str(exc) or "busy" in str(exc))
 
 
 _KEY = ("fingerprint", "revision", "backend", "precision")

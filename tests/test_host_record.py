@@ -13,15 +13,13 @@ from collections import defaultdict
 import pytest
 
 from vllm_srun.records.host_record import (
-    APPLICATION_ID,
-    MIGRATIONS,
-    SCHEMA_VERSION,
     Coverage,
     DriftEvent,
     HostRecord,
     HostRecordError,
     Scope,
 )
+from vllm_srun.records.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
 
 SCOPE = Scope("f00d", "rev1", "onnxruntime")
 # a sweep at counts 1 and 2 of 1-4 rows x 2-128 tokens, up to 256 padded tokens, all of it

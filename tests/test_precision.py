@@ -12,13 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import L3, L6, Server, poll, run_cli, write_config
-from vllm_srun.records.host_record import (
-    MIGRATIONS,
-    SCHEMA_VERSION,
-    DriftEvent,
-    HostRecord,
-    Scope,
-)
+from vllm_srun.records.host_record import DriftEvent, HostRecord, Scope
+from vllm_srun.records.schema import MIGRATIONS, SCHEMA_VERSION
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.errors import ConfigError, Unsupported
