@@ -19,7 +19,7 @@ from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.precision import DTYPE_CHOICES
 from vllm_srun.runtime.types import BackendName
 from vllm_srun.server.frontend.auth import API_KEY_ENV
-from vllm_srun.server.pool.config import (
+from vllm_srun.server.pool.fields import (
     ADAPTIVE_NAMES,
     check_revision,
     check_served_name,
