@@ -7,58 +7,39 @@ that readmits and probes, inventory and reconfiguration.
 - Backoff, probes and ejection (R5.5, R5.6) follow :mod:`outlier`; a monitor task readmits on
   cool-down and runs the due ``/health`` probes.
 - Reconfiguration (R5.10) follows :mod:`plan`: the new pool is prepared, published in one
-  assignment, and retired replicas drain.
+  assignment, and retired replicas drain. Each new replica is made by :mod:`replica_factory`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm_srun.runtime.artifact import resolve
-from vllm_srun.runtime.budget import configured_threads
-from vllm_srun.runtime.device import is_gpu
 from vllm_srun.runtime.errors import ConfigError, RuntimeFault
-from vllm_srun.runtime.types import EngineArgs, Manifest, Task
+from vllm_srun.runtime.types import Manifest, Task
 from vllm_srun.server.pool import plan as planning
-from vllm_srun.server.pool.config import (
-    Config,
-    DeploymentConfig,
-    ReplicaConfig,
-    endpoint_key,
-    replica_key_path,
-)
+from vllm_srun.server.pool.config import Config, DeploymentConfig, replica_key_path
 from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo, listed_ids, served_ids
 from vllm_srun.server.pool.errors import PoolError, Refusal
 from vllm_srun.server.pool.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
-from vllm_srun.server.pool.replicas import (
-    AttachedReplica,
-    LoadAccount,
-    LocalReplica,
-    ProcessReplica,
-    Replica,
-)
+from vllm_srun.server.pool.replica_factory import PoolOptions, ReplicaFactory
+from vllm_srun.server.pool.replicas import LoadAccount, LocalReplica, Replica
 from vllm_srun.server.pool.replicas.base import STARTUP_TIMEOUT_S
 from vllm_srun.server.pool.states import ReplicaState
-from vllm_srun.server.worker.assembly import Worker
-from vllm_srun.server.worker.spec import WorkerSpec
-from vllm_srun.tuner.modes import AdaptiveMode, effective_mode
 
 log = logging.getLogger("vllm_srun.pool")
 
 DISPATCH_ENV = "VLLM_SRUN_DISPATCH"  # "round_robin": only for the bench's comparison
 MONITOR_S = 0.05
 EVENTS_KEPT = 500
-PROVISIONAL_SEQS, PROVISIONAL_TOKENS = 32, 8192
 
 
 class Observer(Protocol):
@@ -67,19 +48,6 @@ class Observer(Protocol):
     def pool_event(self, kind: str, deployment: str, replica: str) -> None: ...
 
     def exchange(self, deployment: str, replica: str, outcome: str) -> None: ...
-
-
-@dataclass
-class PoolOptions:
-    """Process-wide settings every managed worker inherits."""
-
-    budget: int
-    mode: int = 0
-    max_threads: int | None = None
-    record: str | None = None
-    log_level: str = "warning"
-    socket_dir: str | None = None
-    learning_share: float | None = None  # None: the tuner's default
 
 
 def dispatch_mode() -> str:
@@ -129,14 +97,10 @@ class Pool:
 
     def __post_init__(self) -> None:
         self._seq_n = 0
-        self._ids = collections.Counter()
-        self._socket_dir = self.options.socket_dir or tempfile.mkdtemp(
-            prefix="vllm-srun-workers-")
-        os.chmod(self._socket_dir, 0o700)  # R7.3: only the owner can reach the sockets
+        self._replicas = ReplicaFactory(self.options, self.accounts, self.on_load_failure)
         self._probing: set[str] = set()
         self._monitor: asyncio.Task | None = None
         self._lock = asyncio.Lock()
-        self._socket_n = 0
         self._round_robin = dispatch_mode() == "round_robin"
 
     # -- events -----------------------------------------------------------------------------
@@ -162,59 +126,12 @@ class Pool:
 
     # -- building replicas ------------------------------------------------------------------
 
-    def _engine_args(self, dep: DeploymentConfig) -> EngineArgs:
-        e = dep.engine
-        return EngineArgs(num_threads=configured_threads(self.options.budget, e.num_threads),
-                          max_num_seqs=e.max_num_seqs or PROVISIONAL_SEQS,
-                          max_num_batched_tokens=e.max_num_batched_tokens or PROVISIONAL_TOKENS,
-                          timeout_ms=e.timeout_ms, cache_entries=e.cache_entries)
-
-    def _worker_spec(self, dep: DeploymentConfig, device: str) -> WorkerSpec:
-        return WorkerSpec(dep.artifact, dep.backend or "onnxruntime", self._engine_args(dep),
-                          self.options.budget, self.mode_of(dep),
-                          self.options.max_threads, self.options.record, device=device,
-                          set_max_num_seqs=dep.engine.max_num_seqs,
-                          set_max_num_batched_tokens=dep.engine.max_num_batched_tokens,
-                          revision=dep.revision,
-                          dtype=dep.dtype or "float32", quality_gate=dep.thresholds(),
-                          share_cores=not dep.shorthand and not is_gpu(device),
-                          learning_share=self.options.learning_share)
-
-    def mode_of(self, dep: DeploymentConfig) -> AdaptiveMode:
-        """The deployment's adaptive-threads mode: its config key, else the process's."""
-        return effective_mode(dep.adaptive_threads, AdaptiveMode(self.options.mode))
-
     def _on_transition(self, deployment: str) -> Callable[[Replica, ReplicaState, str], None]:
         def transition(rep: Replica, state: ReplicaState, reason: str) -> None:
             log.info("replica_%s deployment=%s replica=%s reason=%r", state, deployment,
                      rep.id, reason)
             self._event(f"replica_{state}", deployment, rep.id, reason)
         return transition
-
-    def _new_replica(self, name: str, dep: DeploymentConfig, r: ReplicaConfig,
-                     manifest: Manifest | None, where: str) -> Replica:
-        rid = f"{name}-{self._ids[name]}"
-        self._ids[name] += 1
-        expected = {k: v for k, v in (("max_num_seqs", dep.engine.max_num_seqs),
-                                      ("max_num_batched_tokens",
-                                       dep.engine.max_num_batched_tokens)) if v is not None}
-        common = (self._on_transition(name),)
-        if r.endpoint is not None:
-            account = self.accounts.setdefault(r.endpoint, LoadAccount(r.endpoint))
-            return AttachedReplica(rid, r.endpoint, account, expected, *common,
-                                   endpoint=r.endpoint, model=r.model,
-                                   api_key=endpoint_key(r, where))
-        account = self.accounts[rid] = LoadAccount(rid)
-        spec = self._worker_spec(dep, r.device)
-        if dep.shorthand:
-            return LocalReplica(rid, r.device, account, expected, *common,
-                                worker=Worker(spec, manifest, replica_id=rid),
-                                on_load_failure=self.on_load_failure)
-        self._socket_n += 1
-        return ProcessReplica(rid, r.device, account, expected, *common,
-                              socket_path=os.path.join(self._socket_dir,
-                                                       f"w{self._socket_n}.sock"),
-                              spec=spec, log_level=self.options.log_level)
 
     def _policy(self, name: str, dep: DeploymentConfig) -> OutlierPolicy:
         o = dep.outlier_detection
@@ -253,8 +170,9 @@ class Pool:
                         or policy.add(rep.id)
                 else:
                     placement = dep.placements()[slot.index]
-                    rep = self._new_replica(name, dep, placement, manifest,
-                                            replica_key_path(name, dep, slot.index))
+                    rep = self._replicas.new(name, dep, placement, manifest,
+                                             replica_key_path(name, dep, slot.index),
+                                             self._on_transition(name))
                     rep.expected_revision = info.revision
                     fresh.append(rep)
                     policy.add(rep.id)
@@ -319,8 +237,7 @@ class Pool:
         if self._monitor is not None:
             self._monitor.cancel()
         await asyncio.gather(*(r.stop() for r in self.replicas()), return_exceptions=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(self._socket_dir)
+        self._replicas.close()
 
     async def _watch(self) -> None:
         """Readmit replicas whose cool-down ended and run due ``/health`` probes."""
