@@ -16,16 +16,8 @@ import pytest
 from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.engine import FixedThreads
 from vllm_srun.tuner import cadence
-from vllm_srun.tuner.cores import (
-    SLOTS,
-    CoreShare,
-    CoreShareError,
-    SharedCores,
-    SiblingCount,
-    grant,
-    siblings_learned,
-    starting_counts,
-)
+from vllm_srun.tuner.cores import SLOTS, CoreShare, CoreShareError, SharedCores, grant
+from vllm_srun.tuner.siblings import SiblingCount, siblings_learned, starting_counts
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl OFD locks")
 SPAWN = multiprocessing.get_context("spawn")
