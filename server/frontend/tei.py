@@ -234,10 +234,8 @@ def _raise(exc: Exception):
 
 
 def _check_task(info: ModelInfo, tasks: tuple[Task, ...], route: str) -> None:
-    """A model of another task is answered as TEI answers one of the wrong type: 424,
-    ``Backend`` (its document lists 424 on each inference route; its router raises a backend
-    error, "model is not a re-ranker model" and the like); the message names the route that
-    serves the model."""
+    """A model of another task: 424 ``Backend``, as TEI's router answers a model of the wrong
+    type ("model is not a re-ranker model"); the message names the route that serves it."""
     if info.task not in tasks:
         use = {Task.EMBED: "/embed", Task.CLASSIFY: "/predict", Task.RERANK: "/rerank",
                Task.TOKEN_CLASSIFY: "/v1/classify"}[info.task]
