@@ -88,7 +88,7 @@ def run_once(share: float, seconds: float, tmp: str, seed: int) -> dict:
         while time.monotonic() - began < seconds:
             time.sleep(0.5)
             with tuner.lock:
-                for lo, r in tuner.ranges.items():
+                for lo, r in tuner.learner.ranges.items():
                     if r.serving and lo not in serving_at:
                         serving_at[lo] = round(time.monotonic() - began, 1)
     finally:
@@ -96,12 +96,14 @@ def run_once(share: float, seconds: float, tmp: str, seed: int) -> dict:
         for c in clients:
             c.join(120)
         with tuner.lock:
-            ranges = {lo: (r.phase.value, r.learned) for lo, r in sorted(tuner.ranges.items())}
-            paid = tuner.paid
+            ranges = {lo: (r.phase.value, r.learned)
+                      for lo, r in sorted(tuner.learner.ranges.items())}
+            paid = tuner.side.paid
             out = {"share": share, "requests": served[0], "ranges": ranges,
                    "serving_from_s": serving_at, "paid_shadows": paid.paid_shadows,
                    "paid_s": round(paid.paid_s, 3), "served_s": round(paid.served_s, 3),
-                   "comparisons": tuner.comparisons, "drift": tuner.retired is not None}
+                   "comparisons": tuner.ledger.comparisons,
+                   "drift": tuner.ledger.retired is not None}
         runner.stop()
     return out
 

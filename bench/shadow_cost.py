@@ -74,8 +74,9 @@ def run_once(model: str, backend_name: str, learn: str, rate: float, seconds: fl
     out = {"p50_ms": float(np.percentile(latencies, 50) * 1000),
            "p99_ms": float(np.percentile(latencies, 99) * 1000), "n": len(latencies)}
     if tuner is not None:
-        out.update(kept=sum(len(v) for r in tuner.ranges.values() for v in r.samples.values()),
-                   discarded=tuner.discarded, comparisons=tuner.comparisons)
+        out.update(kept=sum(len(v) for r in tuner.learner.ranges.values()
+                            for v in r.samples.values()),
+                   discarded=tuner.tally.discarded, comparisons=tuner.ledger.comparisons)
     runner.stop()
     return out
 

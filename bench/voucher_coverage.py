@@ -70,7 +70,7 @@ def main() -> None:
             if result is not None:
                 rows, length = batch.input_ids.shape
                 served.append((time.monotonic(), rows, length, result.num_threads,
-                               tuner.voucher.covers(rows, length, 2, 1)))
+                               tuner.ledger.voucher.covers(rows, length, 2, 1)))
             tuner.observe(batch, result)
 
         def __getattr__(self, name):
@@ -93,7 +93,7 @@ def main() -> None:
             now, window = time.monotonic() - start, served[last:]
             last += len(window)
             seen |= {(r, n) for _, r, n, _, _ in window}
-            verified = {(r, n) for r, n, k, c in tuner.voucher.verified if (k, c) == (2, 1)}
+            verified = {(r, n) for r, n, k, c in tuner.ledger.voucher.verified if (k, c) == (2, 1)}
             ok = sum(w[4] for w in window) / max(1, len(window))
             at2 = sum(w[3] == 2 for w in window) / max(1, len(window))
             print(f"| {now:.0f} | {len(seen)} | {len(seen & verified)} | {len(window)} | "
@@ -113,10 +113,11 @@ def main() -> None:
         f.result(timeout=120)
     stop.set()
     watcher.join()
-    print(f"learned: { {lo: r.learned for lo, r in sorted(tuner.ranges.items())} }; "
-          f"shadow comparisons {tuner.comparisons}, uncovered forwards {tuner.uncovered}, "
-          f"shadow seconds {tuner._shadow_s:.1f}; shapes verified in idle time "
-          f"{tuner.idle_verifier.verified} (run {tuner.idle_verifier.runs})")
+    print(f"learned: { {lo: r.learned for lo, r in sorted(tuner.learner.ranges.items())} }; "
+          f"shadow comparisons {tuner.ledger.comparisons}, "
+          f"uncovered forwards {tuner.tally.uncovered}, "
+          f"shadow seconds {tuner.side.budget.used_s:.1f}; shapes verified in idle time "
+          f"{tuner.side.verifier.verified} (run {tuner.side.verifier.runs})")
     runner.stop()
 
 

@@ -63,9 +63,9 @@ def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backe
     try:
         assert runner.ready
         runner.engine.submit([row(drifting)]).result(timeout=60)
-        assert wait_for(lambda: tuner.retired is not None)
+        assert wait_for(lambda: tuner.ledger.retired is not None)
         # served counts fall back first; the durable write follows on the shadow's thread
-        event = wait_for(lambda: record.drift(tuner.scope))
+        event = wait_for(lambda: record.drift(tuner.sync.scope))
         assert event is not None and event.padded_tokens == drifting
         assert (event.served_threads, event.shadow_threads) == (2, 1)
         assert event.served_value != event.shadow_value
@@ -81,13 +81,13 @@ def test_torch_drift_is_caught_on_the_first_such_input_and_retires_durably(backe
     # a later start does not explore again until reset
     runner, tuner = start(backends["torch"], record, AdaptiveMode.LEARN, 2, (1, 2))
     try:
-        assert tuner.retired is not None
+        assert tuner.ledger.retired is not None
         runner.engine.submit([row(40)]).result(timeout=60)
-        assert not tuner.step() and tuner.comparisons == 0 and tuner.pending_shadows() == 0
+        assert not tuner.step() and tuner.ledger.comparisons == 0 and tuner.pending_shadows() == 0
     finally:
         runner.stop()
-    record.reset(tuner.scope)
-    assert record.drift(tuner.scope) is None
+    record.reset(tuner.sync.scope)
+    assert record.drift(tuner.sync.scope) is None
 
 
 def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backends, tmp_path):
@@ -116,8 +116,8 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
     states = {r["state"] for r in report["ranges"]}
     assert RangeState.SERVING in states, report
     assert sum(r.num_threads == 2 for r in runner.served) > 100
-    assert report["drift"] is None and tuner.comparisons > 100  # transition + audits
-    assert tuner.audits > 10  # forwards served at a learned count, re-run at the configured
+    assert report["drift"] is None and tuner.ledger.comparisons > 100  # transition + audits
+    assert tuner.ledger.audits > 10  # forwards served at a learned count, re-run at the configured
     stored = HostRecord(tmp_path / "r.sqlite")
     assert stored.learned(scope)
     assert stored.voucher(scope).comparisons > res.comparisons  # traffic adds to the count
@@ -132,9 +132,9 @@ def test_mode1_learns_from_real_timings(backends, tmp_path):
     finally:
         runner.stop()
     assert {r.num_threads for r in runner.served} == {1}
-    learned = record.learned(tuner.scope)[64]
+    learned = record.learned(tuner.sync.scope)[64]
     assert learned["num_threads"] in (1, 2)
-    timed = {n: len(s) for n, s in record.timings(tuner.scope)[64].items()}
+    timed = {n: len(s) for n, s in record.timings(tuner.sync.scope)[64].items()}
     assert timed[1] >= 3 and timed[2] >= 3  # explored, then probes (R4.11) add to them
 
 
@@ -154,8 +154,8 @@ def test_mode2_without_a_sweep_says_why_and_serves_only_shapes_traffic_verified(
     finally:
         runner.stop()
     assert any("no voucher" in n for n in first["notes"])
-    assert not tuner.voucher.swept and all(r == 1 and 64 <= n <= 100 and (k, c) == (2, 1)
-                                           for r, n, k, c in tuner.voucher.verified)
+    assert not tuner.ledger.voucher.swept and all(r == 1 and 64 <= n <= 100 and (k, c) == (2, 1)
+                                           for r, n, k, c in tuner.ledger.voucher.verified)
     assert all(r.num_threads == 1 or (r.rows, r.padded_tokens) == (1, 100)
                for r in runner.served)
     assert runner.served[-1].num_threads == 1
@@ -165,10 +165,10 @@ def test_golden_check_stores_then_guards(backends, tmp_path):
     record = HostRecord(tmp_path / "r.sqlite")
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
     runner.stop()
-    assert runner.not_ready_reason is None and record.golden(tuner.scope) is not None
+    assert runner.not_ready_reason is None and record.golden(tuner.sync.scope) is not None
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
     runner.stop()
-    assert runner.not_ready_reason is None and tuner.locked_reason is None
+    assert runner.not_ready_reason is None and tuner.ledger.locked_reason is None
     with sqlite3.connect(tmp_path / "r.sqlite") as db:  # another host's answer, as a file
         db.execute("UPDATE golden SET digest = 'tampered'")
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.LEARN, 1, (1, 2))
@@ -201,7 +201,7 @@ def budget_tuner(backends) -> tuple[AdaptiveThreads, list[float]]:
                           replace(FAST, background=False, budget_fraction=0.5))
     runner.stop()
     tuner.clock = lambda: now[0]
-    tuner.budget.restart(0.0)
+    tuner.side.budget.restart(0.0)
     return tuner, now
 
 
@@ -210,10 +210,10 @@ def test_shadows_stay_within_their_time_budget(backends, tmp_path):
     batch = pad([row(30)])
     tuner.observe(batch, tuner.forward(batch, 1))
     now[0] = 1.0
-    tuner.budget.used_s = 0.6  # as if shadows had used 0.6 s of the first second
-    assert not tuner.step() and tuner.comparisons == 0
+    tuner.side.budget.used_s = 0.6  # as if shadows had used 0.6 s of the first second
+    assert not tuner.step() and tuner.ledger.comparisons == 0
     now[0] = 1.3
-    assert tuner.step() and tuner.comparisons == 1
+    assert tuner.step() and tuner.ledger.comparisons == 1
 
 
 def test_a_shadow_frozen_or_waiting_for_cpus_charges_only_the_time_it_ran(backends, tmp_path):
@@ -225,26 +225,26 @@ def test_a_shadow_frozen_or_waiting_for_cpus_charges_only_the_time_it_ran(backen
 
     tuner, now = budget_tuner(backends)
     frozen = []
-    tuner.freezer._pause = lambda f: frozen.append(f) or f  # the shadow side: frozen, thawed
-    real = tuner.shadow_forward
+    tuner.side.freezer._pause = lambda f: frozen.append(f) or f  # the shadow side: frozen, thawed
+    real = tuner.side.forward
 
     def shadow(batch, n):  # runs 0.2 s, 5 s frozen between, and waits 0.4 s per thread
         result = real(batch, n)
         now[0] += 0.1
         with tuner.lock:
-            tuner.freezer.pause(True)
+            tuner.side.freezer.pause(True)
         now[0] += 5.0
         with tuner.lock:
-            tuner.freezer.pause(False)
+            tuner.side.freezer.pause(False)
         now[0] += 0.1 + 0.4
         return ForwardResult(result.outputs, n, n, 5.6, 0.4 * n)
 
-    tuner.shadow_forward = shadow
+    tuner.side.forward = shadow
     batch = pad([row(30)])
     tuner.observe(batch, tuner.forward(batch, 1))
     assert tuner.step() and frozen == [True, False]
-    assert tuner.shadow_wall_s == pytest.approx(5.6)
-    assert tuner._shadow_s == pytest.approx(0.2)  # what it ran, under 0.5 of the 5.6 s
+    assert tuner.side.wall_s == pytest.approx(5.6)
+    assert tuner.side.budget.used_s == pytest.approx(0.2)  # what it ran, under 0.5 of the 5.6 s
     report = build(from_tuner(tuner))["learning"]
     assert report["shadow_seconds"] == pytest.approx(0.2)
     assert report["shadow_wall_seconds"] == pytest.approx(5.6)
@@ -275,7 +275,7 @@ rep = build(from_tuner(tuner))
 from vllm_srun.runtime.engine import pad
 same = [np.array_equal(tuner.forward(pad([row(t, 9)]), 1).outputs,
                        tuner.forward(pad([row(t, 9)]), 2).outputs) for t in range(5, 12)]
-print(json.dumps({{"drift": rep["drift"], "comparisons": tuner.comparisons, "same": same,
+print(json.dumps({{"drift": rep["drift"], "comparisons": tuner.ledger.comparisons, "same": same,
                   "learned": [r["learned_threads"] for r in rep["ranges"]]}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -305,12 +305,12 @@ def test_a_restarted_worker_learns_from_fresh_samples_and_keeps_voucher_and_drif
     backend = SlowerAt(backends["onnxruntime"], 2, 5.0)  # now 2 threads are the slow ones
     runner, tuner = start(backend, record, AdaptiveMode.SERVE, 1, (1, 2))
     try:
-        assert tuner.voucher.vouches and tuner.ranges == {}
+        assert tuner.ledger.voucher.vouches and tuner.learner.ranges == {}
         for i in range(6):
             serve_paced(runner, tuner, row(80, i))
         assert {r.num_threads for r in runner.served} == {1}
-        assert tuner.ranges[64].learned == 1
-        assert all(len(tuner.ranges[64].samples[n]) >= 3 for n in (1, 2))
+        assert tuner.learner.ranges[64].learned == 1
+        assert all(len(tuner.learner.ranges[64].samples[n]) >= 3 for n in (1, 2))
     finally:
         runner.stop()
     history = HostRecord(tmp_path / "r.sqlite").timings(scope)[64]
@@ -319,6 +319,7 @@ def test_a_restarted_worker_learns_from_fresh_samples_and_keeps_voucher_and_drif
     runner, tuner = start(backend, record, AdaptiveMode.SERVE, 1, (1, 2))
     try:
         runner.engine.submit([row(80)]).result(timeout=60)
-        assert tuner.retired is not None and not tuner.step() and tuner.comparisons == 0
+        assert tuner.ledger.retired is not None and not tuner.step()
+        assert tuner.ledger.comparisons == 0
     finally:
         runner.stop()

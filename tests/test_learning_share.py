@@ -44,8 +44,8 @@ def back_to_back(backend, share: float, forwards: int) -> tuple[AdaptiveThreads,
     tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), Scope("h", M.revision, "o"), None,
                             backend.forward, settings, clock=lambda: now[0],
                             shadow_forward=shadow, paid_forward=lambda b, n: shadow(b, n, True))
-    tuner.locked_reason = None
-    tuner.voucher = Voucher(1, 0, True, (Coverage((1, 2), 1, 2, 64, 64, 64, 63),))
+    tuner.ledger.locked_reason = None
+    tuner.ledger.voucher = Voucher(1, 0, True, (Coverage((1, 2), 1, 2, 64, 64, 64, 63),))
     for i in range(forwards):
         batch = pad([row(20, i)])
         n = tuner.served_threads(batch)
@@ -54,7 +54,7 @@ def back_to_back(backend, share: float, forwards: int) -> tuple[AdaptiveThreads,
         result = backend.forward(batch, n)
         now[0] += SERVED_S[n]
         tuner.observe(batch, replace(result, forward_s=SERVED_S[n]))
-        if n == 2 and tuner.ranges[16].serving:
+        if n == 2 and tuner.learner.ranges[16].serving:
             assert all(paid_runs), "no idle-class shadow can start under this load"
             return tuner, i
     return tuner, None
@@ -62,8 +62,8 @@ def back_to_back(backend, share: float, forwards: int) -> tuple[AdaptiveThreads,
 
 def test_a_paid_share_completes_the_window_under_back_to_back_load_within_its_share(backend):
     tuner, at = back_to_back(backend, 0.02, 3000)
-    assert at is not None and at < 3000, tuner.ranges
-    paid = tuner.paid
+    assert at is not None and at < 3000, tuner.learner.ranges
+    paid = tuner.side.paid
     assert paid.paid_shadows >= tuner.settings.window  # the audits of exploring forwards
     # paid time within 2% of served forward time, plus what the bucket may hold, plus one
     assert paid.paid_s <= 0.02 * paid.served_s + paid.cap_s + SHADOW_S
@@ -73,8 +73,9 @@ def test_a_paid_share_completes_the_window_under_back_to_back_load_within_its_sh
 
 def test_without_a_share_the_window_never_completes_under_back_to_back_load(backend):
     tuner, at = back_to_back(backend, 0.0, 600)
-    assert at is None and tuner.ranges[16].learned == 2 and not tuner.ranges[16].serving
-    assert tuner.paid.paid_shadows == 0
+    r = tuner.learner.ranges[16]
+    assert at is None and r.learned == 2 and not r.serving
+    assert tuner.side.paid.paid_shadows == 0
 
 
 def test_the_paid_bucket_fills_at_the_share_caps_and_is_charged():

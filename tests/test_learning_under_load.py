@@ -151,7 +151,7 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
     lo = size_range(120)[0]
 
     def samples(n: int) -> int:
-        return len(tuner.ranges[lo].samples.get(n, ())) if lo in tuner.ranges else 0
+        return len(tuner.learner.ranges[lo].samples.get(n, ())) if lo in tuner.learner.ranges else 0
 
     neighbour = None
     try:
@@ -169,9 +169,9 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
         assert preempted(busy.forward_s, busy.waited_s), (busy.forward_s, busy.waited_s)
         for i in range(6):  # paced: each batch's shadows run before the next
             runner.engine.submit([row(120, i)]).result(timeout=60)
-            wait_until(lambda i=i: tuner.pending_shadows() == 0 or tuner.preempted > i, 60)
-        assert tuner.preempted >= 1 and samples(2) == 0, (tuner.preempted, samples(2))
-        assert tuner.comparisons >= 1  # still compared bit for bit, only not timed
+            wait_until(lambda i=i: tuner.pending_shadows() == 0 or tuner.tally.preempted > i, 60)
+        assert tuner.tally.preempted >= 1 and samples(2) == 0, (tuner.tally.preempted, samples(2))
+        assert tuner.ledger.comparisons >= 1  # still compared bit for bit, only not timed
         neighbour.kill()
         neighbour.wait(10)
         neighbour = None
@@ -180,7 +180,7 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
             if samples(2) >= 3:
                 break
             wait_until(lambda: tuner.pending_shadows() == 0, 60)
-        assert samples(2) >= 1 and tuner.retired is None
+        assert samples(2) >= 1 and tuner.ledger.retired is None
     finally:
         if neighbour is not None:
             neighbour.kill()
@@ -206,17 +206,17 @@ def test_an_idle_worker_backs_off_a_shadow_that_other_tasks_cpus_held_up(tmp_pat
     lo = size_range(120)[0]
     neighbour = None
     try:
-        wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
+        wait_until(lambda: tuner.side.warm, 60, "the shadow side warm")
         neighbour = hog()
         time.sleep(0.3)
         runner.engine.submit([row(120)]).result(timeout=60)
         time.sleep(6)  # no traffic: only the backoff spaces the tries out
         with tuner.lock:
-            tries = tuner.preempted
+            tries = tuner.tally.preempted
         neighbour.kill()
         neighbour.wait(10)
         neighbour = None
-        wait_until(lambda: len(tuner.ranges[lo].samples.get(2, ())) >= 3, 60,
+        wait_until(lambda: len(tuner.learner.ranges[lo].samples.get(2, ())) >= 3, 60,
                    "2 threads timed once the neighbour left")
     finally:
         if neighbour is not None:
@@ -275,7 +275,7 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
         return {lo for lo, n in counts.items() if n >= 20}
 
     def all_reached_learned() -> bool:
-        return all((r := tuner.ranges.get(lo)) is not None and r.learned is not None
+        return all((r := tuner.learner.ranges.get(lo)) is not None and r.learned is not None
                    for lo in served_under_load())
 
     clients = [threading.Thread(target=client, args=(i,)) for i in range(16)]
@@ -286,18 +286,20 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
             wait_until(lambda: len(forwards) > 200 and all_reached_learned(), 90)
         except TimeoutError:
             raise AssertionError(("not every range the load reached was learned under load",
-                                  tuner.served_samples, tuner.explored, tuner.uncovered, {
+                                  tuner.tally.served_samples, tuner.tally.explored,
+                                  tuner.tally.uncovered, {
                 lo: (r.learned, r.explore_served, {n: len(v) for n, v in r.samples.items()})
-                for lo, r in sorted(tuner.ranges.items())})) from None
-        during = (len(forwards), tuner.served_samples, tuner.explored, tuner.discarded)
+                for lo, r in sorted(tuner.learner.ranges.items())})) from None
+        during = (len(forwards), tuner.tally.served_samples, tuner.tally.explored,
+                  tuner.tally.discarded)
         reached = sorted(served_under_load())
         state = {lo: (r.learned, r.explore_served, {n: len(v) for n, v in r.samples.items()})
-                 for lo, r in sorted(tuner.ranges.items())}
+                 for lo, r in sorted(tuner.learner.ranges.items())}
         stop.set()
         for c in clients:
             c.join(60)
         # the audits of what it served while exploring, and the window, run as shadows
-        wait_until(lambda: tuner.comparisons > 0, 60, "a shadow once the load stopped")
+        wait_until(lambda: tuner.ledger.comparisons > 0, 60, "a shadow once the load stopped")
     finally:
         stop.set()
         runner.stop()
@@ -305,10 +307,10 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
           f"discarded = {during}; {state}")
     assert [lo for lo in reached if lo >= 256], reached  # batches no single request makes
     assert during[1] > 0  # served forwards timed themselves
-    assert tuner.retired is None and tuner.comparisons > 0
+    assert tuner.ledger.retired is None and tuner.ledger.comparisons > 0
     assert pauses and pauses[-1] is False  # closed thawed
     assert all(a != b for a, b in zip(pauses, pauses[1:], strict=False))  # freeze, thaw, ...
-    if any(r.explore_served for r in tuner.ranges.values()):
+    if any(r.explore_served for r in tuner.learner.ranges.values()):
         assert during[2] > 0 and any(f.num_threads == 2 for f in forwards)
     assert not os.path.exists(f"/proc/{shadows.process.pid}/task")  # closed: gone
 
@@ -350,14 +352,14 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
     try:
         for _ in range(60):  # learn, pass the window: 2 threads serve (1.7x faster here)
             serve(5)
-            if (r := tuner.ranges.get(lo)) is not None and r.serving:
+            if (r := tuner.learner.ranges.get(lo)) is not None and r.serving:
                 break
-        r = tuner.ranges[lo]
+        r = tuner.learner.ranges[lo]
         assert r.learned == 2 and r.serving, (r.learned, r.serving, r.samples)
         assert serve(10).count(2) >= 9
         neighbour = hog()
         beside = serve(60)
-        while not free_cpus and tuner.contended < 8 and len(beside) < 180:
+        while not free_cpus and tuner.tally.contended < 8 and len(beside) < 180:
             # probes predict from each count's recent slowdowns: on a loaded host (the
             # suite's earlier tests) 1 thread beside the neighbour ran 1.55x its learned
             # time too, and 60 forwards held 4 fallbacks once; more time, same bar
@@ -365,7 +367,7 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
         # measured with probes: 1 thread served 10-51 of these 60 (the kernel at times
         # gives the 2 threads both cores for a while; a probe then ends it until 3 forwards
         # show it again)
-        gave_way = tuner.contended >= 8 and beside.count(1) >= 8
+        gave_way = tuner.tally.contended >= 8 and beside.count(1) >= 8
         faster = True  # 1 thread beside the neighbour faster than 2 (it is, where read)
         if not free_cpus and not gave_way:
             # probes decide by speed alone: where the host (CI once) ran 1 thread beside the
@@ -377,15 +379,15 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
             print(f"beside the neighbour 1 thread took {one * 1e3:.1f} ms, 2 threads "
                   f"{two * 1e3:.1f} ms")
         if faster:
-            assert gave_way, (tuner.contended, beside, tuner.ranges[lo].baselines,
+            assert gave_way, (tuner.tally.contended, beside, tuner.learner.ranges[lo].baselines,
                               {n: list(v) for n, v in tuner.contention._slowdowns.items()})
-        print("beside", beside, tuner.contended, tuner.contention_probes)
+        print("beside", beside, tuner.tally.contended, tuner.tally.contention_probes)
         if free_cpus:  # the neighbour holds its core: nothing ends it, nothing probes
             # (measured: 1 thread from the 5th-22nd of these forwards on, every one after)
-            assert tuner.contention_probes == 0 and tuner.contention_freed == 0
+            assert tuner.tally.contention_probes == 0 and tuner.contention.freed == 0
             assert beside[beside.index(1):].count(2) <= 2, beside
         elif faster:
-            assert tuner.contention_probes >= 1
+            assert tuner.tally.contention_probes >= 1
         neighbour.kill()
         neighbour.wait(10)
         neighbour = None
@@ -394,9 +396,9 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
             pass
         after = serve(40)
         assert after.count(2) >= 36, after
-        assert tuner.ranges[lo].relearns == 0 and tuner.retired is None
+        assert tuner.learner.ranges[lo].relearns == 0 and tuner.ledger.retired is None
         if free_cpus:
-            assert tuner.contention_freed >= 1 and tuner.contention_probes == 0
+            assert tuner.contention.freed >= 1 and tuner.tally.contention_probes == 0
     finally:
         if neighbour is not None:
             neighbour.kill()
@@ -453,15 +455,15 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
     runner, tuner, pauses = learning_runner(tmp_path)
     lo = size_range(120)[0]
     try:
-        wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
+        wait_until(lambda: tuner.side.warm, 60, "the shadow side warm")
         forwards = 200
         for i in range(forwards):
             runner.engine.submit([row(120, i)]).result(timeout=60)
         with tuner.lock:
-            started = tuner.comparisons
-            overlapped, froze = tuner.discarded, [f for _, f in pauses].count(True)
-            timed_served = tuner.served_samples
-        wait_until(lambda: tuner.ranges[lo].learned is not None, 60,
+            started = tuner.ledger.comparisons
+            overlapped, froze = tuner.tally.discarded, [f for _, f in pauses].count(True)
+            timed_served = tuner.tally.served_samples
+        wait_until(lambda: tuner.learner.ranges[lo].learned is not None, 60,
                    "2 threads timed once the client stopped")
     finally:
         runner.stop()
@@ -471,7 +473,7 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
     assert overlapped <= 6  # measured 1-2 (each forward froze a shadow's wait before)
     # a freeze only while a shadow runs: measured 6-31 (every one of them froze before)
     assert froze < forwards // 2
-    assert len(tuner.ranges[lo].samples[2]) >= 6
+    assert len(tuner.learner.ranges[lo].samples[2]) >= 6
 
 
 def test_a_shadow_cut_into_by_load_stays_frozen_until_the_load_calms(tmp_path):
@@ -483,21 +485,21 @@ def test_a_shadow_cut_into_by_load_stays_frozen_until_the_load_calms(tmp_path):
     again around the forwards whose gap outlasted the hold."""
     runner, tuner, pauses = learning_runner(tmp_path)
     try:
-        wait_until(lambda: tuner.shadows_warm, 60, "the shadow side warm")
+        wait_until(lambda: tuner.side.warm, 60, "the shadow side warm")
         big = [row(120, 10**6 + i) for i in range(8)]  # 960 padded tokens: a long shadow
         runner.engine.submit(big).result(timeout=60)
-        wait_until(lambda: tuner._shadowing and tuner._shadow_gated, 10,
+        wait_until(lambda: tuner.flight.shadowing and tuner.flight.shadow_gated, 10,
                    "a shadow that shares the served forwards' cores")
         began = time.monotonic()
         for i in range(600):
             runner.engine.submit([row(60, i)]).result(timeout=60)
         ended = time.monotonic()
-        wait_until(lambda: not tuner._shadowing, 30, "the shadow to end once the load stops")
+        wait_until(lambda: not tuner.flight.shadowing, 30, "the shadow to end once the load stops")
     finally:
         runner.stop()
     during = [(at, frozen) for at, frozen in pauses if began <= at <= ended]
     late = [frozen for at, frozen in during if at >= began + (ended - began) / 2]
     print(f"load {ended - began:.2f} s, pauses during it {len(during)}, thaws in its second "
-          f"half {late.count(False)}, frozen beside {tuner.frozen_beside}")
+          f"half {late.count(False)}, frozen beside {tuner.tally.frozen_beside}")
     assert during and during[0][1] is True  # frozen by the first forward
     assert late.count(False) == 0, during

@@ -344,8 +344,8 @@ def test_a_bfloat16_drift_retires_bfloat16_learning_only(tmp_path):
                                calibrate=False))
     runner = worker.load()
     try:
-        assert runner.ready and worker.tuner.scope == bf16
-        assert worker.tuner.retired is not None
+        assert runner.ready and worker.tuner.sync.scope == bf16
+        assert worker.tuner.ledger.retired is not None
         assert worker.threads_report(runner)["scope"]["precision"] == "bfloat16"
     finally:
         runner.stop()

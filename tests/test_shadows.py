@@ -125,12 +125,12 @@ def test_a_served_forward_never_waits_for_a_shadow_and_its_overlap_is_not_a_samp
         first = runner.engine.submit([row(100)]).result(timeout=60)
         assert backend.inside.wait(60)  # a shadow of it is now in the middle of its forward
         second = runner.engine.submit([row(100, 1)]).result(timeout=30)  # served meanwhile
-        assert tuner.comparisons == 0 and not backend.gate.is_set()
+        assert tuner.ledger.comparisons == 0 and not backend.gate.is_set()
         backend.gate.set()
-        assert wait_for(lambda: tuner.comparisons >= 1)
-        assert tuner.discarded >= 1  # the overlapped shadow was compared, not timed
+        assert wait_for(lambda: tuner.ledger.comparisons >= 1)
+        assert tuner.tally.discarded >= 1  # the overlapped shadow was compared, not timed
         assert wait_for(lambda: tuner.pending_shadows() == 0)  # its count ran again, now cleanly
-        assert all(len(tuner.ranges[64].samples.get(n, [])) >= 1 for n in (1, 2))
+        assert all(len(tuner.learner.ranges[64].samples.get(n, [])) >= 1 for n in (1, 2))
         assert first.shape == second.shape == (1, 384)
     finally:
         backend.gate.set()
@@ -165,7 +165,7 @@ def test_ranges_that_only_load_reaches_get_learned():
         for c in clients:
             c.join(60)
         under_load = {lo: {n: len(v) for n, v in r.samples.items()}
-                      for lo, r in tuner.ranges.items()}
+                      for lo, r in tuner.learner.ranges.items()}
         assert wait_for(lambda: tuner.pending_shadows() == 0, 120)
     finally:
         stop.set()
@@ -174,10 +174,10 @@ def test_ranges_that_only_load_reaches_get_learned():
     large = {lo for lo in reached if lo >= 256}
     assert large, sorted(reached)  # load made batches no single request makes
     for lo in reached:
-        assert all(len(tuner.ranges[lo].samples.get(n, [])) >= 3 for n in (1, 2)), \
-            (lo, under_load, tuner.discarded)
+        assert all(len(tuner.learner.ranges[lo].samples.get(n, [])) >= 3 for n in (1, 2)), \
+            (lo, under_load, tuner.tally.discarded)
     print(f"ranges reached {sorted(reached)}; samples when the load stopped {under_load}; "
-          f"{tuner.discarded} shadows overlapped a served forward and were not timed")
+          f"{tuner.tally.discarded} shadows overlapped a served forward and were not timed")
 
 
 def test_a_deployments_shadow_process_runs_every_thread_in_sched_idle():
@@ -227,7 +227,7 @@ def test_a_killed_shadow_process_stops_no_serving_and_the_report_counts_it():
         shadow_forward.__self__.process.kill()
         for i in range(5):
             assert runner.engine.submit([row(60, i)]).result(timeout=30).shape == (1, 384)
-        assert wait_for(lambda: tuner.shadow_faults >= 1, 30)
+        assert wait_for(lambda: tuner.side.faults >= 1, 30)
         report = build(from_tuner(tuner))
         assert any("shadow process gone" in n for n in report["notes"]), report["notes"]
         assert report["learning"]["shadow_faults"] >= 1

@@ -229,4 +229,4 @@ def test_adaptive_threads_check_and_shadow_the_new_tasks(fixture, request, tmp_p
             wait_for(lambda: tuner.pending_shadows() == 0, 30)
     finally:
         runner.stop()
-    assert tuner.comparisons >= 2 and tuner.retired is None
+    assert tuner.ledger.comparisons >= 2 and tuner.ledger.retired is None

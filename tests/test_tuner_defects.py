@@ -56,8 +56,8 @@ def vouch(made: Worker, tmp_path: Path) -> None:
     backend.close()
     assert checked.mismatches == 0 and checked.comparisons > 0
     HostRecord(tmp_path / "record.sqlite").add_voucher(
-        made.tuner.scope, "verify", checked.comparisons, 0, plan.coverage((1, 2)))
-    assert wait_for(lambda: made.tuner.voucher.vouches, 30)
+        made.tuner.sync.scope, "verify", checked.comparisons, 0, plan.coverage((1, 2)))
+    assert wait_for(lambda: made.tuner.ledger.voucher.vouches, 30)
 
 
 # -- 1. a text pair's shadow gets every input the served forward got (R4.5, R4.7) ----------
@@ -81,10 +81,11 @@ def test_a_cross_encoders_pair_shadows_match_the_served_answer_and_record_no_dri
         for i in range(6):
             pairs = [(f"{QUERY} {i}", d) for d in DOCUMENTS]
             runner.submit(pairs)[0].result(timeout=60)
-            wait_for(lambda i=i: tuner.comparisons > i or tuner.retired, 30)
+            wait_for(lambda i=i: tuner.ledger.comparisons > i or tuner.ledger.retired, 30)
         # (compared, timed or not: on a loaded host most shadows wait for CPUs, untimed)
-        assert wait_for(lambda: tuner.comparisons >= 6 or tuner.retired, 120)
-        assert tuner.retired is None and tuner.comparisons >= 6, tuner.comparisons
+        assert wait_for(lambda: tuner.ledger.comparisons >= 6 or tuner.ledger.retired, 120)
+        assert tuner.ledger.retired is None and tuner.ledger.comparisons >= 6, \
+            tuner.ledger.comparisons
         # the shadow process's answer to a pair batch, bit for bit the served path's
         encoded = runner.tokenizer.rows([(QUERY, d) for d in DOCUMENTS])
         batch = pad(encoded.ids, encoded.type_ids)
@@ -93,7 +94,7 @@ def test_a_cross_encoders_pair_shadows_match_the_served_answer_and_record_no_dri
         context = ThreadContext()
         reference = context.run(1, lambda: served.forward(batch, 1)).outputs
         context.shutdown()
-        shadows = tuner.shadow_forward.__self__
+        shadows = tuner.side.forward.__self__
         for n in (1, 2):
             shadow = shadows.forward(batch, n).outputs
             assert np.array_equal(output_bits(shadow), output_bits(reference))
@@ -101,7 +102,7 @@ def test_a_cross_encoders_pair_shadows_match_the_served_answer_and_record_no_dri
         assert not np.array_equal(untyped.outputs, reference)  # the type ids matter here
     finally:
         runner.stop()
-    assert HostRecord(tmp_path / "record.sqlite").drift(tuner.scope) is None
+    assert HostRecord(tmp_path / "record.sqlite").drift(tuner.sync.scope) is None
 
 
 # -- 2. the shadow budget banks idle time only up to a bound (R4.5) --------------------------
@@ -131,18 +132,18 @@ def test_an_idle_hour_banks_no_more_than_the_budget_window_of_shadow_time():
     tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", manifest.revision, "o"),
                             None, backend.forward, settings, clock=lambda: now[0],
                             shadow_forward=shadow)
-    tuner.locked_reason = None  # no golden check: the budget is under test
+    tuner.ledger.locked_reason = None  # no golden check: the budget is under test
 
     def shadows_run_at_once(salt: int) -> float:
         """Serve one forward, then run shadows until the budget (or 400 of them) stops it;
         the shadow seconds they charged."""
         batch = pad([row(30, salt)])
         tuner.observe(batch, backend.forward(batch, 1))
-        before = tuner._shadow_s
+        before = tuner.side.budget.used_s
         for _ in range(400):
             if not tuner.step():
                 break
-        return tuner._shadow_s - before
+        return tuner.side.budget.used_s - before
 
     now[0] = hour = 3600.0  # an idle hour since start-up
     cap = settings.budget_fraction * settings.budget_window_s  # 5 s banked at most
@@ -154,7 +155,7 @@ def test_an_idle_hour_banks_no_more_than_the_budget_window_of_shadow_time():
     assert cap <= burst <= bound() and burst <= 10.2, burst  # unbanked: all 400 (40 s)
     now[0] += 4.0  # 4 s later: about 2 s more (the rate), nothing more of the hour
     assert 2.0 - 0.1 <= shadows_run_at_once(2) <= 2.0 / (1 - 0.5) + 0.1 + 1e-9
-    assert tuner._shadow_s <= bound()
+    assert tuner.side.budget.used_s <= bound()
 
 def row(tokens: int, salt: int = 0) -> list[int]:
     """A row of ``tokens`` ids ([CLS] ... [SEP]) of the BERT vocabulary, fixed by its seed."""
@@ -183,11 +184,11 @@ def contention_run(caplog, held: list[tuple[float, float]], until_s: float):
             total += (2 - cores) * max(0.0, min(now, end) - start)
         return now, total
 
-    host.tuner.free_cpu_s = free_s
+    host.tuner.contention.free_cpu_s = free_s
     caplog.set_level(logging.INFO, logger="vllm_srun.tuner")
     host.run(poisson_trace(15, 60, [64, 256], seed=1)
              + poisson_trace(15, until_s - 60, [64, 256], seed=2, start_s=60))
-    assert all(r.learned == 2 for r in host.tuner.ranges.values())
+    assert all(r.learned == 2 for r in host.tuner.learner.ranges.values())
     started = sum(m.startswith("threads_contended") for m in caplog.messages)
     ended = sum(m.startswith("threads_contention_over") for m in caplog.messages)
     return host.tuner, started, ended
@@ -199,8 +200,8 @@ def test_a_steady_reading_above_the_start_starts_contention_once_and_never_ends_
     ends in 9 s). With the end (0.125) below the start, it starts once per range and holds
     (9 s: under ``contention_relearn_s``, so no relearn either)."""
     tuner, started, ended = contention_run(caplog, [(60.0, 0.35)], 69.0)
-    assert 1 <= started <= len(tuner.ranges) and ended == 0 and tuner.contention_freed == 0
-    assert tuner.contended > 0
+    assert 1 <= started <= len(tuner.learner.ranges) and ended == 0 and tuner.contention.freed == 0
+    assert tuner.tally.contended > 0
 
 
 def test_a_reading_between_the_thresholds_neither_starts_nor_ends_contention(caplog):
@@ -208,15 +209,15 @@ def test_a_reading_between_the_thresholds_neither_starts_nor_ends_contention(cap
     one begun at 0.6 core held goes on while the reading sits there, and ends once it is
     under the end threshold."""
     tuner, started, _ = contention_run(caplog, [(60.0, 0.2)], 69.0)
-    assert started == 0 and tuner.contended == 0
+    assert started == 0 and tuner.tally.contended == 0
     held = [(60.0, 0.6), (64.0, 0.2), (68.0, 0.0)]
     caplog.clear()
     tuner, started, ended = contention_run(caplog, held, 67.9)
-    assert 1 <= started <= len(tuner.ranges) and ended == 0, (started, ended)
+    assert 1 <= started <= len(tuner.learner.ranges) and ended == 0, (started, ended)
     caplog.clear()
     tuner, started, ended = contention_run(caplog, held, 69.0)  # the same run, on to 69 s
-    assert 1 <= started <= len(tuner.ranges) and ended == started, (started, ended)
-    assert tuner.contention_freed == started
+    assert 1 <= started <= len(tuner.learner.ranges) and ended == started, (started, ended)
+    assert tuner.contention.freed == started
 
 
 # -- 4. /proc is read off the served path ----------------------------------------------------
@@ -307,25 +308,25 @@ def test_a_shadow_process_killed_mid_learning_is_respawned_and_learning_goes_on(
     made, runner = worker(L3, tmp_path, AdaptiveMode.SERVE,
                           wrap_backend=lambda b: SlowerAt(b, 1, 5.0))
     tuner = made.tuner
-    shadows = tuner.shadow_forward.__self__
+    shadows = tuner.side.forward.__self__
     try:
         vouch(made, tmp_path)
-        assert wait_for(lambda: tuner.shadows_warm, 120)
+        assert wait_for(lambda: tuner.side.warm, 120)
         runner.engine.submit([row(40, 0)]).result(timeout=60)
-        assert tuner.ranges[32].learned is None  # it explores
+        assert tuner.learner.ranges[32].learned is None  # it explores
         first = shadows.process.pid
         os.kill(first, signal.SIGKILL)
         end = time.monotonic() + 120
         for i in range(1, 10**6):
             runner.engine.submit([row(40, i)]).result(timeout=60)
-            if tuner.ranges[32].serving or time.monotonic() > end:
+            if tuner.learner.ranges[32].serving or time.monotonic() > end:
                 break
             time.sleep(0.05)
-        r = tuner.ranges[32]
-        assert r.learned == 2 and r.serving, (r, tuner.shadow_error)
+        r = tuner.learner.ranges[32]
+        assert r.learned == 2 and r.serving, (r, tuner.side.error)
         assert shadows.respawns >= 1 and shadows.process.pid != first and gone(first)
-        assert tuner.shadow_faults >= 1 and tuner.retired is None
-        assert build(from_tuner(tuner))["learning"]["shadow_faults"] == tuner.shadow_faults
+        assert tuner.side.faults >= 1 and tuner.ledger.retired is None
+        assert build(from_tuner(tuner))["learning"]["shadow_faults"] == tuner.side.faults
     finally:
         runner.stop()
 
@@ -341,13 +342,13 @@ def test_a_hung_shadow_process_does_not_hold_up_closing_and_is_gone_after(tmp_pa
 
     made, runner = worker(L3, tmp_path)
     tuner = made.tuner
-    shadows = tuner.shadow_forward.__self__
+    shadows = tuner.side.forward.__self__
     pid = shadows.process.pid
     try:
-        assert wait_for(lambda: tuner.shadows_warm and tuner._shadowing == 0, 120)
+        assert wait_for(lambda: tuner.side.warm and tuner.flight.shadowing == 0, 120)
         os.kill(pid, signal.SIGSTOP)  # hung, no shadow in flight: nothing thaws it
         runner.engine.submit([row(40, 0)]).result(timeout=60)  # serving is not held up
-        assert wait_for(lambda: tuner._shadowing == 1, 30)  # its shadow: sent, unanswered
+        assert wait_for(lambda: tuner.flight.shadowing == 1, 30)  # its shadow: sent, unanswered
     finally:
         began = time.monotonic()
         runner.stop()

@@ -53,7 +53,7 @@ def vouch(backend, record: HostRecord, bounds: ShapeBounds, scope: Scope | None 
 def serve_until_serving(runner, tuner, lo: int, lengths: list[int], tries: int = 40) -> None:
     for i in range(tries):
         serve_paced(runner, tuner, row(lengths[i % len(lengths)], i))
-        if (r := tuner.ranges.get(lo)) is not None and r.serving:
+        if (r := tuner.learner.ranges.get(lo)) is not None and r.serving:
             return
     raise AssertionError(f"range {lo} never served its learned count: {build(from_tuner(tuner))}")
 
@@ -77,7 +77,7 @@ def test_mode2_serves_learned_counts_only_for_covered_shapes(tmp_path):
         runner.stop()
     assert [(r.rows, r.padded_tokens, r.num_threads) for r in served] == [(1, 22, 2),
                                                                           (2, 22, 1)]
-    assert tuner.uncovered == 1 and report["uncovered_forwards"] == 1
+    assert tuner.tally.uncovered == 1 and report["uncovered_forwards"] == 1
     assert any("no sweep covered their shape" in n for n in report["notes"])
     (cov,) = report["voucher"]["coverage"]
     assert (cov["counts"], cov["max_rows"], cov["min_len"], cov["max_len"]) == ([1, 2], 1, 2, 40)
@@ -94,20 +94,20 @@ def test_a_voucher_for_other_counts_does_not_let_mode2_serve(tmp_path):
     record.add_voucher(scope, "verify", 39, 0, plan.coverage((1, 4)))
     runner, tuner = start(SlowerAt(backend, 1, 1000.0), record, AdaptiveMode.SERVE, 1, COUNTS)
     try:
-        assert tuner.voucher.vouches and not tuner.voucher.covers_counts(2, 1)
+        assert tuner.ledger.voucher.vouches and not tuner.ledger.voucher.covers_counts(2, 1)
         for i in range(10):
             serve_paced(runner, tuner, row(20, i))
-        assert wait_for(lambda: (1, 20, 2, 1) in tuner.voucher.verified, WATCH_DEADLINE_S)
+        assert wait_for(lambda: (1, 20, 2, 1) in tuner.ledger.voucher.verified, WATCH_DEADLINE_S)
         before = len(runner.served)
         runner.engine.submit([row(22, 1)]).result(timeout=60)
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
-    assert tuner.ranges[16].learned == 2
+    assert tuner.learner.ranges[16].learned == 2
     assert {(r.padded_tokens, r.num_threads) for r in runner.served[:before]} <= {(20, 1),
                                                                                    (20, 2)}
     assert runner.served[before].num_threads == 1
-    assert tuner.voucher.verified == {(1, 20, 2, 1)}
+    assert tuner.ledger.voucher.verified == {(1, 20, 2, 1)}
     (rng,) = [r for r in report["ranges"] if r["size_range"] == "16-31"]
     assert rng["state"] in (RangeState.VERIFYING, RangeState.SERVING)
 
@@ -169,9 +169,9 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
     settings = replace(FAST, min_samples=2, window=2)  # 2-thread forwards are slow here
     a, ta = start(slow, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS, settings)
     b, tb = start(slow, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS, settings)
-    ta.worker, tb.worker = "replica a pid 1", "replica b pid 2"
+    ta.learner.worker, tb.learner.worker = "replica a pid 1", "replica b pid 2"
     for t in (ta, tb):  # served answers only: in idle time a worker would meet the drifting
-        t.idle_verifier.step = lambda: False  # shape on its own, before any is served
+        t.side.verifier.step = lambda: False  # shape on its own, before any is served
     try:
         for runner, tuner in ((a, ta), (b, tb)):
             serve_until_serving(runner, tuner, lo, covered)
@@ -185,11 +185,11 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
             out = serve_paced(a, ta, row(drifting, i))
             assert a.served[-1].num_threads == 1  # not covered: the configured count
             assert np.array_equal(output_bits(out), output_bits(reference(drifting, i)))
-            if ta.retired is not None:
+            if ta.ledger.retired is not None:
                 break
-        assert ta.retired is not None and ta.retired.padded_tokens == drifting
-        assert wait_for(lambda: tb.retired is not None, 5.0)
-        lag_s = tb.retired_at - ta.retired.created_at
+        assert ta.ledger.retired is not None and ta.ledger.retired.padded_tokens == drifting
+        assert wait_for(lambda: tb.ledger.retired is not None, 5.0)
+        lag_s = tb.ledger.retired_at - ta.ledger.retired.created_at
         print(f"worker b retired {lag_s:.3f} s after worker a's drift")
         assert lag_s < 1.0  # B stopped serving learned counts within a second
         out = b.engine.submit([row(covered[0], 0)]).result(timeout=60)
@@ -203,7 +203,7 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
     d = report["drift"]
     assert (d["worker"], d["rows"], d["padded_length"]) == ("replica a pid 1", 1, drifting)
     seen_at = calendar.timegm(time.strptime(d["seen_at"], "%Y-%m-%dT%H:%M:%SZ"))
-    assert abs(seen_at - ta.retired.created_at) < 2  # when
+    assert abs(seen_at - ta.ledger.retired.created_at) < 2  # when
     assert "RETIRED BY DRIFT seen by replica a pid 1" in table(report)
     assert all(r["state"] == RangeState.RETIRED for r in report["ranges"])
 
@@ -236,15 +236,17 @@ def test_a_drift_another_process_records_retires_a_serving_worker(tmp_path):
                                 capture_output=True, text=True, timeout=60)
         assert writer.returncode == 0, writer.stderr
         written_at = float(writer.stdout)
-        assert wait_for(lambda: tuner.retired is not None, WATCH_DEADLINE_S), \
+        assert wait_for(lambda: tuner.ledger.retired is not None, WATCH_DEADLINE_S), \
             f"not retired {WATCH_DEADLINE_S} s after another process recorded a drift"
-        print(f"retired {tuner.retired_at - written_at:.3f} s after the other process's write")
+        print(f"retired {tuner.ledger.retired_at - written_at:.3f} s after the other process's "
+              "write")
         runner.engine.submit([row(22, 1)]).result(timeout=60)
         assert runner.served[-1].num_threads == 1
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
-    assert (tuner.retired.worker, tuner.retired.rows, tuner.retired.padded_tokens) == \
+    drift = tuner.ledger.retired
+    assert (drift.worker, drift.rows, drift.padded_tokens) == \
         ("replica other pid 4242", 1, 20)
     assert report["drift"]["worker"] == "replica other pid 4242"
     assert all(r["state"] == RangeState.RETIRED for r in report["ranges"])
@@ -265,20 +267,21 @@ def test_a_sweep_and_a_reset_from_the_cli_reach_a_running_worker(tmp_path):
     try:
         for i in range(10):
             serve_paced(runner, tuner, row(20, i))
-        assert tuner.ranges[16].learned == 2 and not tuner.voucher.swept
-        assert not tuner.voucher.covers(1, 22, 2, 1)
+        assert tuner.learner.ranges[16].learned == 2 and not tuner.ledger.voucher.swept
+        assert not tuner.ledger.voucher.covers(1, 22, 2, 1)
         verify = run_cli("threads", "verify", L6, "--threads", "1", "--max-threads", "2",
                          "--record", str(path), "--max-num-seqs", "1",
                          "--max-num-batched-tokens", "40", "--max-tokens", "40")
         assert verify.returncode == 0, verify.stdout + verify.stderr
-        assert wait_for(lambda: tuner.voucher.swept, WATCH_DEADLINE_S), \
+        assert wait_for(lambda: tuner.ledger.voucher.swept, WATCH_DEADLINE_S), \
             f"a new sweep did not reach the worker within {WATCH_DEADLINE_S} s"
         serve_until_serving(runner, tuner, 16, [20, 24, 28])
         runner.engine.submit([row(22, 1)]).result(timeout=60)
         assert runner.served[-1].num_threads == 2
         reset = run_cli("threads", "reset", L6, "--record", str(path))
         assert reset.returncode == 0, reset.stdout + reset.stderr
-        assert wait_for(lambda: not tuner.voucher.vouches and not tuner.ranges[16].serving,
+        assert wait_for(lambda: not tuner.ledger.voucher.vouches
+                        and not tuner.learner.ranges[16].serving,
                         WATCH_DEADLINE_S), \
             f"a reset did not reach the worker within {WATCH_DEADLINE_S} s"
         report = build(from_tuner(tuner))
@@ -287,7 +290,7 @@ def test_a_sweep_and_a_reset_from_the_cli_reach_a_running_worker(tmp_path):
     finally:
         runner.stop()
     (rng,) = [r for r in report["ranges"] if r["size_range"] == "16-31"]
-    assert rng["state"] == RangeState.NO_VOUCHER and tuner.retired is None
+    assert rng["state"] == RangeState.NO_VOUCHER and tuner.ledger.retired is None
 
 
 def serve_rows_paced(runner, tuner, rows: list[list[int]]):
@@ -322,10 +325,10 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     try:
         for i in range(40):  # 5 rows of 210-249 tokens: in the bounds, range 1024-2047
             serve_rows_paced(runner, tuner, [row(210 + i % 40, 100 * i + k) for k in range(5)])
-            if (r := tuner.ranges.get(1024)) is not None and r.serving:
+            if (r := tuner.learner.ranges.get(1024)) is not None and r.serving:
                 break
-        assert tuner.ranges[1024].serving, build(from_tuner(tuner))
-        before, uncovered = len(runner.served), tuner.uncovered
+        assert tuner.learner.ranges[1024].serving, build(from_tuner(tuner))
+        before, uncovered = len(runner.served), tuner.tally.uncovered
         out = runner.engine.submit(rows[unswept]).result(timeout=60)
         for shape in ((7, 250), (9, 120)):
             runner.engine.submit(rows[shape]).result(timeout=60)
@@ -334,7 +337,7 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
         runner.stop()
     assert [(r.rows, r.padded_tokens, r.num_threads) for r in served] == [
         (6, 1380, 2), (7, 1750, 1), (9, 1080, 1)]
-    assert tuner.uncovered - uncovered == 2
+    assert tuner.tally.uncovered - uncovered == 2
     context = ThreadContext()
     try:
         reference = context.run(1, lambda: backend.forward(pad(rows[unswept]), 1)).outputs
@@ -359,23 +362,23 @@ def test_mode2_without_a_sweep_serves_a_learned_count_only_for_shapes_traffic_ve
                           COUNTS)
     scope = Scope("test-host", M.revision, "onnxruntime")
     try:
-        assert not tuner.voucher.vouches
+        assert not tuner.ledger.voucher.vouches
         serve_until_serving(runner, tuner, 16, [20, 24, 28])
         tuner.flush()  # what the shadows verified so far reaches the record, and comes back
-        assert wait_for(lambda: tuner.voucher == HostRecord(path).voucher(scope), 5)
-        verified = tuner.voucher.verified
+        assert wait_for(lambda: tuner.ledger.voucher == HostRecord(path).voucher(scope), 5)
+        verified = tuner.ledger.voucher.verified
         assert verified and all(r == 1 and 16 <= n <= 28 and (k, c) == (2, 1)
                                 for r, n, k, c in verified), verified
-        assert not tuner.voucher.swept
+        assert not tuner.ledger.voucher.swept
         (_, known, _, _) = min(verified)
-        before, uncovered = len(runner.served), tuner.uncovered
+        before, uncovered = len(runner.served), tuner.tally.uncovered
         serve_paced(runner, tuner, row(known, 7))  # verified: the learned count
         serve_paced(runner, tuner, row(30, 1))  # same range, unverified: configured
         assert [(r.padded_tokens, r.num_threads) for r in runner.served[before:]] == \
             [(known, 2), (30, 1)]
-        assert tuner.uncovered == uncovered + 1
+        assert tuner.tally.uncovered == uncovered + 1
         # its shadow at 2 threads verified it; the record watch brings it back
-        assert wait_for(lambda: tuner.voucher.covers(1, 30, 2, 1), WATCH_DEADLINE_S), \
+        assert wait_for(lambda: tuner.ledger.voucher.covers(1, 30, 2, 1), WATCH_DEADLINE_S), \
             build(from_tuner(tuner))
         runner.engine.submit([row(30, 2)]).result(timeout=60)
         assert runner.served[-1].num_threads == 2
@@ -403,14 +406,14 @@ def test_an_idle_mode2_worker_verifies_shapes_on_its_own(tmp_path):
         runner.engine.submit([row(20, 0), row(20, 1)]).result(timeout=60)
         assert wait_for(lambda: wanted <= HostRecord(path).voucher(scope).verified, 60), \
             sorted(HostRecord(path).voucher(scope).verified)
-        assert wait_for(lambda: wanted <= tuner.voucher.verified, WATCH_DEADLINE_S)
+        assert wait_for(lambda: wanted <= tuner.ledger.voucher.verified, WATCH_DEADLINE_S)
         verified = HostRecord(path).voucher(scope).verified
     finally:
         runner.stop()
     assert (2, 20, 2, 1) in verified  # served, two rows
     assert not any(length > 30 for _, length, _, _ in verified)  # longer than any served
-    assert tuner.idle_verifier.verified >= len(wanted) - 1  # (1 x 30: a shadow's, maybe)
-    assert tuner.voucher.covers(1, 17, 2, 1) and not tuner.voucher.covers(1, 31, 2, 1)
+    assert tuner.side.verifier.verified >= len(wanted) - 1  # (1 x 30: a shadow's, maybe)
+    assert tuner.ledger.voucher.covers(1, 17, 2, 1) and not tuner.ledger.voucher.covers(1, 31, 2, 1)
 
 
 def test_idle_verification_that_meets_a_real_mismatch_blocks_vouching_without_retiring(
@@ -431,11 +434,11 @@ def test_idle_verification_that_meets_a_real_mismatch_blocks_vouching_without_re
         serve_paced(runner, tuner, row(clean[-1]))
         assert wait_for(lambda: HostRecord(path).voucher(scope).shape_mismatches >= 1, 120), \
             build(from_tuner(tuner))
-        assert wait_for(lambda: not tuner.voucher.vouches, WATCH_DEADLINE_S)
+        assert wait_for(lambda: not tuner.ledger.voucher.vouches, WATCH_DEADLINE_S)
         report = build(from_tuner(tuner))
     finally:
         runner.stop()
-    assert tuner.retired is None and report["drift"] is None
+    assert tuner.ledger.retired is None and report["drift"] is None
     assert report["voucher"]["shape_mismatches"] >= 1 and not report["voucher"]["vouches"]
     rows = sqlite3.connect(path).execute(
         "SELECT rows, length FROM verified_shapes WHERE mismatches > 0").fetchall()

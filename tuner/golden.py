@@ -7,6 +7,7 @@ model's reference library); other artifacts store their first golden answer unch
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_srun.runtime.tokenizer import Tokenizer
+from vllm_srun.tuner.ledger import output_bits
 
 GOLDEN_TEXTS = (
     "hello",
@@ -52,3 +54,26 @@ def reference_tolerance(precision: str, min_cosine: float) -> float:
     if precision == "float32":
         return FLOAT32_TOLERANCE
     return max(FLOAT32_TOLERANCE, math.sqrt(2.0 * (1.0 - min_cosine)))
+
+
+def golden_digest(outputs: np.ndarray) -> str:
+    """The record's digest of the golden answers: their bits, hashed."""
+    return hashlib.sha256(output_bits(outputs).tobytes()).hexdigest()[:32]
+
+
+def golden_failure(outputs: np.ndarray, stored: str | None, reference: np.ndarray | None,
+                   tolerance: float, configured: int) -> str | None:
+    """Why the golden answers at the configured count fail the check (R4.3), or None: with
+    no digest stored for the scope yet, against the artifact's ``reference`` outputs (within
+    ``tolerance``); else, bit for bit against the ``stored`` digest."""
+    if stored is None:
+        if reference is not None and (
+                err := float(np.abs(outputs - reference.reshape(-1)).max())) > tolerance:
+            return (f"golden check failed: answers differ from the artifact's reference "
+                    f"outputs by {err:.2e} (tolerance {tolerance:.0e})")
+        return None
+    if stored != (digest := golden_digest(outputs)):
+        return (f"golden check failed: answers at {configured} threads differ from this "
+                f"host's record (digest {digest[:12]} vs stored {stored[:12]}); learning and "
+                "serving stay off until `vllm-srun threads reset`")
+    return None

@@ -69,12 +69,13 @@ class IdleVerifier:
 
     def pending(self) -> bool:
         t = self.tuner
-        return t.mode is AdaptiveMode.SERVE and t.voucher.clean and bool(self.seen or self.ranges)
+        return t.mode is AdaptiveMode.SERVE and t.ledger.voucher.clean and \
+            bool(self.seen or self.ranges)
 
     def _todo(self, shape: Shape) -> list[int]:
         t = self.tuner
         return [n for n in t.counts if n != t.configured
-                and not t.voucher.covers(*shape, n, t.configured)
+                and not t.ledger.voucher.covers(*shape, n, t.configured)
                 and (*shape, n) not in t.sync.pending.shapes and (*shape, n) not in self.done]
 
     def _next(self) -> tuple[Shape, list[int]] | None:
@@ -98,8 +99,9 @@ class IdleVerifier:
         """Learning runs in mode 2, nothing vouches against it, no served forward runs, no
         due shadow waits, and the idle-class budget is not spent (the tuner's lock held)."""
         t = self.tuner
-        return (t.mode is AdaptiveMode.SERVE and t.ledger.learning and t.voucher.clean
-                and not t.board.jobs and not t._busy and not t.budget.over(now))
+        return (t.mode is AdaptiveMode.SERVE and t.ledger.learning and t.ledger.voucher.clean
+                and not t.learner.board.jobs and not t.flight.busy
+                and not t.side.budget.over(now))
 
     def step(self) -> bool:
         """Verify one shape now, if the tuner lets a core-sharing shadow start. False when
@@ -109,29 +111,30 @@ class IdleVerifier:
             now = t.clock()
             if not self._may_start(now) or not t.gate.may_share(now, None):
                 return False
-            if t.voucher is not self._voucher:
-                self._voucher, self.done = t.voucher, set()
+            if t.ledger.voucher is not self._voucher:
+                self._voucher, self.done = t.ledger.voucher, set()
             pick = self._next()
             if pick is None:
                 return False
             (rows, length), counts = pick
-            known = t.ranges.get(size_range(rows * length)[0])
+            known = t.learner.ranges.get(size_range(rows * length)[0])
             ms = known.samples.get(t.configured) if known is not None else None
             if ms and not t.gate.may_share(now, 2 * typical(ms) / 1000):
                 return False
-            t._shadow_gated = True  # a served forward that shares its cores freezes it
-            epoch, began, frozen = t._epoch, now, t.freezer.frozen_total(now)
+            t.flight.shadow_gated = True  # a served forward that shares its cores freezes it
+            epoch, began, frozen = t.flight.epoch, now, t.side.freezer.frozen_total(now)
         batch = shape_batch((rows, length), self._rng)
         reference = t.run_shadow(batch, t.configured)
         results = [(n, t.run_shadow(batch, n)) for n in counts]
         with t.lock:
             now = t.clock()
-            t.shadow_wall_s += now - began
+            t.side.wall_s += now - began
             waited = sum((r.waited_s or 0.0) / max(1, n) for n, r in
                          [(t.configured, reference), *results])
-            t.budget.charge(now - began - (t.freezer.frozen_total(now) - frozen) - waited, now)
+            frozen = t.side.freezer.frozen_total(now) - frozen
+            t.side.budget.charge(now - began - frozen - waited, now)
             held_up = any(preempted(r.forward_s, r.waited_s) for _, r in results)
-            t.gate.after_sharing(reference, clean_window(0, epoch, t._epoch) and not held_up,
+            t.gate.after_sharing(reference, clean_window(0, epoch, t.flight.epoch) and not held_up,
                                  held_up, now)  # cut into: wait for longer gaps, as shadows do
             self.runs += 1
             if not t.ledger.learning:
@@ -154,11 +157,12 @@ class IdleVerifier:
         but the configured one; serving ranges go back to verifying, as when a reset
         retires the voucher)."""
         t = self.tuner
-        t.voucher = replace(t.voucher, shape_mismatches=t.voucher.shape_mismatches + 1)
-        t.voucher_changed()
+        voucher = t.ledger.voucher
+        t.ledger.voucher = replace(voucher, shape_mismatches=voucher.shape_mismatches + 1)
+        t.learner.settle_all()
         self.seen.clear()
         self.ranges.clear()
         log.warning("threads_idle_verify_mismatch rows=%d padded_length=%d threads=%d "
                     "configured=%d", rows, length, n, t.configured)
         t.sync.guard("write_shape_mismatch", lambda rec: rec.add_verified_shapes(
-            t.scope, t.configured, [], differed=[(rows, length, n)]))
+            t.sync.scope, t.configured, [], differed=[(rows, length, n)]))

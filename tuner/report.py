@@ -54,39 +54,39 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
     """A copy of the tuner's state (the engine and shadow threads keep changing it)."""
     with t.lock:
         ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
-                  for lo, r in t.ranges.items()}
+                  for lo, r in t.learner.ranges.items()}
         passes = {lo: t.ledger.progress(lo, r.learned) for lo, r in ranges.items()
                   if r.learned is not None}
         c = t.contention
         slowdown = {str(n): round(c.slowdown(n), 3) for n in sorted(c._slowdowns)}
-        paid = t.paid
+        paid = t.side.paid
         served_s = paid.served_s
-    return ReportInput(t.mode, t.configured, t.counts, t.scope, ranges, t.voucher, t.retired,
-                       t.locked_reason, record_path, t.record_error, t.shadow_error,
-                       t.uncovered, margin=t.settings.margin,
+    return ReportInput(t.mode, t.configured, t.counts, t.sync.scope, ranges, t.ledger.voucher,
+                       t.ledger.retired, t.ledger.locked_reason, record_path, t.sync.error,
+                       t.side.error, t.tally.uncovered, margin=t.settings.margin,
                        min_samples=t.settings.min_samples, verified_passes=passes, learning={
-                           "shadow_comparisons": t.comparisons, "audits": t.audits,
-                           "shadows_overlapped_not_timed": t.discarded,
-                           "shadows_preempted_not_timed": t.preempted,
-                           "shadow_batches_replaced_unrun": t.replaced,
-                           "served_forwards_that_froze_a_shadow": t.frozen_beside,
-                           "served_forwards_timed": t.served_samples,
-                           "served_forwards_not_timed_cores_busy": t.samples_cores_busy,
-                           "forwards_served_to_time_a_count": t.explored,
-                           "forwards_served_below_learned_under_contention": t.contended,
-                           "contention_probes": t.contention_probes,
-                           "contentions_ended_by_free_cores": t.contention_freed,
-                           "forwards_slow_with_cores_free": t.slow_cores_free,
+                           "shadow_comparisons": t.ledger.comparisons, "audits": t.ledger.audits,
+                           "shadows_overlapped_not_timed": t.tally.discarded,
+                           "shadows_preempted_not_timed": t.tally.preempted,
+                           "shadow_batches_replaced_unrun": t.learner.board.replaced,
+                           "served_forwards_that_froze_a_shadow": t.tally.frozen_beside,
+                           "served_forwards_timed": t.tally.served_samples,
+                           "served_forwards_not_timed_cores_busy": t.tally.samples_cores_busy,
+                           "forwards_served_to_time_a_count": t.tally.explored,
+                           "forwards_served_below_learned_under_contention": t.tally.contended,
+                           "contention_probes": t.tally.contention_probes,
+                           "contentions_ended_by_free_cores": t.contention.freed,
+                           "forwards_slow_with_cores_free": t.contention.slow_cores_free,
                            "slowdown_now": slowdown,
                            # shadow time against its budget (``budget_fraction`` of the
                            # time since learning began, idle time banked for
                            # ``budget_window_s`` at most): over it, no shadow starts
-                           "shadow_seconds": round(t._shadow_s, 3),
+                           "shadow_seconds": round(t.side.budget.used_s, 3),
                            # failed shadow forwards (the shadow process died or hung, and
                            # was started again), each retried after a backoff
-                           "shadow_faults": t.shadow_faults,
-                           "shapes_verified_in_idle_time": t.idle_verifier.verified,
-                           "shadow_wall_seconds": round(t.shadow_wall_s, 3),
+                           "shadow_faults": t.side.faults,
+                           "shapes_verified_in_idle_time": t.side.verifier.verified,
+                           "shadow_wall_seconds": round(t.side.wall_s, 3),
                            "shadow_budget_seconds": round(t.shadow_budget_s(), 3),
                            # R4.5 amended: shadows run at normal priority beside served
                            # forwards where no idle CPU came, paid from ``learning_share``

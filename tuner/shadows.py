@@ -345,31 +345,31 @@ class ShadowLoop:
                     return
                 self._failed(exc)
             except Exception as exc:  # learning stops; serving goes on, the report says why
-                t.shadow_error = f"shadow forwards stopped: {exc}"
+                t.side.error = f"shadow forwards stopped: {exc}"
                 log.exception("shadow_loop_failed")
                 return
 
     def _learn(self) -> None:
         t = self.tuner
-        if not t.shadows_warm:
+        if not t.side.warm:
             for n in t.counts:  # warm every count before it is timed
                 t.run_shadow(self._warm, n)
-            t.shadows_warm = True
+            t.side.warm = True
         while not self._stop:
             if t.step():
                 self._retry_s = 0.0
                 continue
             if t.flush_due():
                 t.flush()
-            if t.idle_verifier.step():  # nothing else due: verify a shape (mode 2)
+            if t.side.verifier.step():  # nothing else due: verify a shape (mode 2)
                 self._retry_s = 0.0
                 continue
             with t.lock:  # woken when a served forward ends, or a shadow may start
                 if not self._stop:
-                    wait_s = 0.05 if t.board.jobs or t.idle_verifier.pending() else \
+                    wait_s = 0.05 if t.learner.board.jobs or t.side.verifier.pending() else \
                         t.settings.flush_s
-                    if t._sharing_at > (now := t.clock()):
-                        wait_s = min(wait_s, t._sharing_at - now)
+                    if t.gate.sharing_at > (now := t.clock()):
+                        wait_s = min(wait_s, t.gate.sharing_at - now)
                     t.lock.wait(timeout=wait_s)
 
     def _failed(self, exc: RuntimeFault) -> None:
@@ -377,11 +377,11 @@ class ShadowLoop:
         t = self.tuner
         self._retry_s = min(RETRY_MAX_S, max(RETRY_FIRST_S, 2 * self._retry_s))
         with t.lock:
-            t.shadow_faults += 1
-            t.shadow_error = (f"shadow forwards failed {t.shadow_faults} time(s), retried "
+            t.side.faults += 1
+            t.side.error = (f"shadow forwards failed {t.side.faults} time(s), retried "
                               f"after a backoff; the last: {exc}")
             log.warning("shadow_forward_failed faults=%d retry_s=%.0f error=%s",
-                        t.shadow_faults, self._retry_s, exc)
+                        t.side.faults, self._retry_s, exc)
             end = time.monotonic() + self._retry_s
             while not self._stop and (left := end - time.monotonic()) > 0:
                 t.lock.wait(timeout=left)

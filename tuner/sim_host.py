@@ -235,9 +235,9 @@ class SimulatedHost:
         self._queues[w] = deque((rid, a) for rid, a in queue if rid not in chosen)
         batch = batch_of(len(taken), max(a.padded_tokens for _, a in taken))
         tuner = self.tuners[w] if self.tuners else None
-        before = tuner.explored if tuner is not None else 0
+        before = tuner.tally.explored if tuner is not None else 0
         n = self.fixed if tuner is None else tuner.served_threads(batch)
-        explored = tuner is not None and tuner.explored > before
+        explored = tuner is not None and tuner.tally.explored > before
         if self.hook is not None:
             n = self.hook(w, n, [f.threads for f in self._serving if f is not None])
         fwd = self.start_forward(w, batch, n, shadow=False)

@@ -125,7 +125,7 @@ class Worker:
                                 pause_shadows=shadows.pause, free_cpu_s=free.latest,
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")
-        tuner.record_error = tuner.record_error or error
+        tuner.sync.error = tuner.sync.error or error
         runner.engine.threads = tuner
         self.tuner = tuner
         self._share_cores(runner)
