@@ -24,13 +24,6 @@ calls ``poll_record``. Each call reads plain state and asks the parts that decid
   tasks hold its cores (not yet folded into the estimator).
 - ``tally.Tally``: what timed and checked what, for the report.
 
-Samples: a range exploring times each count on its served forwards (the shadow side frozen
-meanwhile, or none beside it) and on shadows; mode 2 with a voucher serves the counts it
-lacks samples for in turn (vouched exploration), audited at the configured count. Once
-learned, every ``audit_every``-th forward gets a probe shadow at another count, and forwards
-at a count that moved by ``relearn_factor`` from that same count when learned relearn the
-range (R4.11). A new worker learns from fresh samples; drift and vouchers survive restarts.
-
 Invariant: mode 1 serves every forward at the configured count; mode 2 serves another count
 for a forward only where ``ExactnessLedger.may_serve`` admits it for that forward's shape.
 All bookkeeping runs under ``lock``, which is never held across a forward.
@@ -52,8 +45,7 @@ from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import ContentionWatch
-from vllm_srun.tuner.freezer import Freezer
-from vllm_srun.tuner.golden import golden_digest, golden_failure
+from vllm_srun.tuner.golden import check_golden
 from vllm_srun.tuner.idle_verify import IdleVerifier
 from vllm_srun.tuner.inflight import InFlight, ShadowStart, Timed
 from vllm_srun.tuner.learning import Learner
@@ -66,7 +58,6 @@ from vllm_srun.tuner.scheduling import ShadowGate, ShadowJob
 from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.shadow_side import ShadowSide
 from vllm_srun.tuner.shadows import ShadowLoop
-from vllm_srun.tuner.share import PaidShare, ShadowBudget
 from vllm_srun.tuner.tally import Tally
 
 __all__ = ["AdaptiveThreads", "RangeLearning", "TunerSettings", "output_bits"]
@@ -99,17 +90,15 @@ class AdaptiveThreads:
         self.sync = RecordSync(record, scope, now)
         self.ledger = ExactnessLedger(mode, configured, s.window)
         self.contention = ContentionWatch(s, self.counts, now, free_cpu_s)
-        self.learner = Learner(mode, configured, self.counts, s, self.ledger, self.sync,
-                               self.contention, worker or f"pid {os.getpid()}")
         self.tally = Tally()  # what timed and checked what, for the report
+        self.learner = Learner(mode, configured, self.counts, s, self.ledger, self.sync,
+                               self.contention, self.tally, worker or f"pid {os.getpid()}")
         self.flight = InFlight()  # what runs now
         self.gate = ShadowGate(s, configured, max(self.counts), now)
         shadow_forward = shadow_forward or forward
         # a shadow the learning share pays for: the shadow side at normal priority
-        self.side = ShadowSide(shadow_forward, paid_forward or shadow_forward,
-                               Freezer(pause_shadows, self.lock, now),
-                               ShadowBudget(s.budget_fraction, s.budget_window_s, clock()),
-                               PaidShare(s.learning_share), IdleVerifier(self), on_close)
+        self.side = ShadowSide(s, self.lock, now, shadow_forward, paid_forward or shadow_forward,
+                               pause_shadows, IdleVerifier(self), on_close)
         self._load()
 
     def now(self) -> float:
@@ -119,12 +108,10 @@ class AdaptiveThreads:
     def _load(self) -> None:
         """Drift retirement and the voucher survive a restart; stored samples and learned
         counts are history: a new worker learns from fresh samples (R4.11)."""
-        scope = self.sync.scope
-        event = self.sync.guard("read_drift", lambda rec: rec.drift(scope))
+        event, voucher = self.sync.read_back()
         if event is not None:
             self.ledger.retire(event)
-        self.ledger.voucher = self.sync.guard("read_voucher", lambda rec: rec.voucher(scope)) \
-            or self.ledger.voucher
+        self.ledger.voucher = voucher or self.ledger.voucher
 
     def flush_due(self) -> bool:
         """Learnings wait to be written and ``flush_s`` has passed since the last flush."""
@@ -144,21 +131,11 @@ class AdaptiveThreads:
     def poll_record(self) -> None:
         """Read drift and the voucher back from the record (the watch thread): a drift any
         worker of the scope recorded retires this one; a new sweep or a reset shows here."""
-        scope = self.sync.scope
         if self.sync.record is None or self.ledger.retired is not None:
             return
-        event = self.sync.guard("read_drift", lambda rec: rec.drift(scope))
-        voucher = self.sync.guard("read_voucher", lambda rec: rec.voucher(scope))
+        event, voucher = self.sync.read_back()
         with self.lock:
-            if voucher is not None:
-                self.ledger.voucher = voucher
-            if event is not None and self.ledger.retired is None:
-                self.learner.retire(event)
-                log.warning("threads_drift_seen_by_another worker=%s seen_by=%s rows=%d "
-                            "padded_tokens=%d", self.learner.worker, event.worker, event.rows,
-                            event.padded_tokens)
-            else:  # a new sweep, or a reset: ranges start or stop serving at once
-                self.learner.settle_all()
+            self.learner.read_back(event, voucher)
 
     def close(self) -> None:
         self.side.freezer.close()
@@ -177,15 +154,10 @@ class AdaptiveThreads:
         # bytes, and so the digest, of vector answers are unchanged by flattening
         outputs = np.concatenate([self.forward(b, self.configured).outputs.reshape(-1)
                                   for b in batches])
-        scope = self.sync.scope
-        stored = self.sync.guard("read_golden", lambda rec: rec.golden(scope))
-        why = golden_failure(outputs, stored, reference, tolerance, self.configured)
+        why = check_golden(outputs, self.sync, reference, tolerance, self.configured)
         if why is not None:
             self.ledger.locked_reason = why
             return why
-        if stored is None:
-            digest = golden_digest(outputs)
-            self.sync.guard("write_golden", lambda rec: rec.put_golden(scope, digest))
         if self.mode is AdaptiveMode.SERVE:  # mode 2 may serve the others: warm them too
             for n in self.counts:
                 if n != self.configured:
@@ -224,12 +196,7 @@ class AdaptiveThreads:
                     n, contention, r = self.configured, None, learner.ranges[lo]
             exploring = learning and r is not None and r.exploring
             if exploring and self.mode is AdaptiveMode.SERVE and self.ledger.voucher.vouches:
-                if not r.explore_served:  # vouched: time each count on served forwards
-                    r.explore_served = True
-                    log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
-                now = self.clock()  # a count whose cores other tasks hold waits
-                n = learner.explore_count(r, n, [k for k in learner.need(r)
-                                                 if not self.contention.cores_busy(now, k)])
+                n = learner.explore_served(lo, r, n, self.clock())
             # vouched exploration and a contention fallback need the voucher, not a window
             verdict = self.ledger.may_serve(lo, n, batch.rows, int(batch.input_ids.shape[1]),
                                             explore=n != wanted)
@@ -247,28 +214,22 @@ class AdaptiveThreads:
         shadow sharing its cores made served forwards 1.5x slower here, one beside them not
         at all. Comparisons are not frozen for served forwards that are not timed: under
         back-to-back load they would never end, and mode 2 needs them; nor is a paid shadow
-        (the learning share pays for it to run beside served forwards), nor one whose range
-        starved (``_shadow_starved``). With no shadow running there is nothing to freeze (a
+        (the learning share pays for it to run beside served forwards), nor one whose range's
+        payable work made no progress for ``starved_s``: under back-to-back load each timed
+        forward froze it, so it never ended, and while it held the shadow process no paid
+        pass could start either (a 16-connection mode 2 without a voucher: 3,249 freezes and
+        no comparison in 120 s); unfrozen, it runs in the idle class and ends, its time no
+        sample, its comparison counted. With no shadow running there is nothing to freeze (a
         freeze wakes each of the child's sleeping threads to stop it, and again to thaw it).
         Returns what ``observe`` reads back."""
         flight, freezer = self.flight, self.side.freezer
         sharing = flight.sharing(n, max(self.counts))
         want = freezer.available and bool(flight.shadowing) and not flight.shadow_paid and \
-            (sampling or sharing) and not self._shadow_starved(self.clock())
+            (sampling or sharing) and not self.learner.board.starved(flight.shadow_lo, self.clock())
         frozen = freezer.served_started(want)
         self.tally.frozen_beside += frozen and sharing
         return Timed(frozen, frozen or not flight.shadowing, flight.shadow_epoch, contention,
                      sampling)
-
-    def _shadow_starved(self, now: float) -> bool:
-        """The shadow in flight belongs to a range whose payable work made no progress for
-        ``starved_s``: timed served forwards no longer freeze it. Under back-to-back load each
-        of them froze it, so it never ended, and while it held the shadow process no paid
-        pass could start either (a 16-connection mode 2 without a voucher: 3,249 freezes and
-        no comparison in 120 s). Unfrozen, it runs in the idle class beside served forwards
-        and ends: its time is no sample (a served forward overlapped it), its comparison
-        still counts, and the learning share may pay for the next."""
-        return self.learner.starved(self.flight.shadow_lo, now)
 
     def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
         """A served forward ended (``None``: it failed)."""
@@ -287,22 +248,9 @@ class AdaptiveThreads:
             if result is None or not self.ledger.learning:
                 return
             self.side.verifier.note(batch)
-            lo = size_range(batch.padded_tokens)[0]
-            r = learner.ranges.setdefault(lo, RangeLearning())
-            if r.learned is not None:
-                learner.watch_served(lo, r, result, batch.padded_tokens, timed.contention)
-            elif timed.sampling and self.flight.alone(timed):
-                # shadows frozen, or none ran beside it: clean, unless other tasks held
-                # the cores it needed
-                if self.contention.cores_busy(now, result.num_threads):
-                    self.tally.samples_cores_busy += 1
-                else:
-                    self.tally.served_samples += 1
-                    learner.sample(lo, r, result.num_threads, result.forward_s * 1000,
-                                   batch.padded_tokens)
-            counts = learner.shadow_counts(lo, result.num_threads, timed.contention)
-            if counts:
-                learner.put(lo, batch, result, counts, now)
+            # a sample where shadows were frozen, or none ran beside it
+            if learner.served(batch, result, timed.contention,
+                              timed.sampling and self.flight.alone(timed), now):
                 self.gate.waiting_gap = False
                 self.lock.notify_all()
 
@@ -358,16 +306,10 @@ class AdaptiveThreads:
         """A due shadow ended (the lock held): charge what it took, judge whether its time is
         a sample, and let the learner move its range on."""
         lo, job, count, sharing = start.lo, start.job, start.count, start.sharing
-        now = self.clock()
-        wall = now - start.began_s
-        self.side.wall_s += wall
-        waited = (result.waited_s or 0.0) / max(1, count)
-        if start.paid:  # timed beside served forwards: its cost to one (``served_cost_ms``)
-            self.side.paid.charge(max(0.0, wall - waited))
+        self.side.charge(start, result, self.clock())
+        if start.paid:  # timed beside served forwards (its cost to one: ``served_cost_ms``)
             self.learner.after_shadow(lo, job, count, result, clean=True, paid=True)
             return
-        frozen = self.side.freezer.frozen_total(now) - start.frozen_s
-        self.side.budget.charge(wall - frozen - waited, now)
         clean, before = clean_window(0, start.epoch, self.flight.epoch), self.tally.preempted
         if not clean:
             self.tally.discarded += 1
@@ -385,11 +327,11 @@ class AdaptiveThreads:
     def _paid_shadow(self, now: float) -> tuple[int, ShadowJob, int, bool] | None:
         """The first due shadow, ranges oldest first, that the learning share may pay for
         now: its range made no progress for ``starved_s`` (no idle CPU let one run), it is
-        payable (``Learner.payable``), the share affords its expected cost, and no timed
+        payable (``JobBoard.payable``), the share affords its expected cost, and no timed
         served forward holds the shadow side frozen (it would run nothing)."""
         if self.side.freezer.running:
             return None
-        due = self.learner.paid_due(now, self.side.paid.affords)
+        due = self.learner.board.paid_due(now, self.side.paid.affords)
         if due is None:
             return None
         self.side.freezer.release()  # held frozen since the last forward

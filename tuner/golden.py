@@ -16,6 +16,7 @@ import numpy as np
 
 from vllm_srun.runtime.tokenizer import Tokenizer
 from vllm_srun.tuner.ledger import output_bits
+from vllm_srun.tuner.persistence import RecordSync
 
 GOLDEN_TEXTS = (
     "hello",
@@ -59,6 +60,21 @@ def reference_tolerance(precision: str, min_cosine: float) -> float:
 def golden_digest(outputs: np.ndarray) -> str:
     """The record's digest of the golden answers: their bits, hashed."""
     return hashlib.sha256(output_bits(outputs).tobytes()).hexdigest()[:32]
+
+
+def check_golden(outputs: np.ndarray, sync: RecordSync, reference: np.ndarray | None,
+                 tolerance: float, configured: int) -> str | None:
+    """The golden answers at the configured count against the host record's digest (the
+    first worker of a scope stores it, once they pass ``golden_failure``): why they fail,
+    or None."""
+    scope = sync.scope
+    stored = sync.guard("read_golden", lambda rec: rec.golden(scope))
+    if (why := golden_failure(outputs, stored, reference, tolerance, configured)) is not None:
+        return why
+    if stored is None:
+        digest = golden_digest(outputs)
+        sync.guard("write_golden", lambda rec: rec.put_golden(scope, digest))
+    return None
 
 
 def golden_failure(outputs: np.ndarray, stored: str | None, reference: np.ndarray | None,

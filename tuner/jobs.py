@@ -1,7 +1,9 @@
 """Due shadow work (R4.5, R4.6): per size range, the served batch whose shadows are still to
 run (the newest replaces an older one, which would only time the same range again), a backlog
 of older batches whose comparison counts toward a transition window still open, and since
-when a range's work that the learning share may pay for has waited.
+when a range's work that the learning share may pay for has waited (``payable``: it times a
+count an exploring range needs, or compares toward a window; ``paid_due``: the first such
+shadow of a range starved for ``starved_s`` that the share affords).
 
 Why the backlog: under bursts of load every batch replaced the last, one window comparison
 ran per lull, and ranges that 16 connections reached passed their window only after a minute
@@ -12,21 +14,71 @@ connections after learning, the real host). Kept, the first lull passes the whol
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from vllm_srun.tuner.estimator import typical
+from vllm_srun.tuner.ledger import ExactnessLedger
+from vllm_srun.tuner.ranges import RangeLearning
 from vllm_srun.tuner.scheduling import ShadowJob
+from vllm_srun.tuner.settings import TunerSettings
 
 
 class JobBoard:
-    def __init__(self, window: int, toward_window: Callable[[int, ShadowJob], bool]) -> None:
+    def __init__(self, settings: TunerSettings, ledger: ExactnessLedger,
+                 ranges: Mapping[int, RangeLearning],
+                 need: Callable[[RangeLearning], list[int]]) -> None:
         self.jobs: dict[int, ShadowJob] = {}  # range -> its due batch, oldest range first
         # range -> older batches that count toward its window, newest last (at most
         # ``window`` of them): they run once the range's job is done
         self.backlog: dict[int, deque[ShadowJob]] = {}
         self.starved_since: dict[int, float] = {}  # range -> since when payable work waits
         self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
-        self._window, self._toward = window, toward_window
+        self._window, self._starved_s = settings.window, settings.starved_s
+        # the ranges' state, as the learner keeps it, and the counts one still needs
+        self._ledger, self._ranges, self._need = ledger, ranges, need
 
+    # -- what of it counts toward a window, or may be paid for ---------------------------
+    def toward_window(self, lo: int, job: ShadowJob) -> bool:
+        """``job``'s one comparison would count toward a transition window still open
+        (``ExactnessLedger.toward_window``)."""
+        r = self._ranges.get(lo)
+        return len(job.counts) == 1 and r is not None and self._ledger.toward_window(
+            lo, job.served_threads, job.counts[0], r.learned)
+
+    def payable(self, lo: int, job: ShadowJob, count: int) -> bool:
+        """A shadow the learning share may pay for: it times a count its exploring range
+        lacks samples of, or compares toward a transition window still open (R4.5 amended;
+        not audits of what a range serves, nor probes)."""
+        r = self._ranges.get(lo)
+        return r is not None and ((r.exploring and count in self._need(r)) or
+                                  self._ledger.toward_window(lo, job.served_threads, count,
+                                                            r.learned))
+
+    def expected_s(self, lo: int, job: ShadowJob, count: int) -> float:
+        """How long a shadow of ``job`` at ``count`` will likely take: the count's samples in
+        its range, else the served forward's time scaled by the counts' ratio."""
+        r = self._ranges.get(lo)
+        known = r.samples.get(count) if r is not None else None
+        return typical(known) / 1000 if known else job.served_s * job.served_threads / count
+
+    def starved(self, lo: int, now: float) -> bool:
+        """Range ``lo``'s payable work made no progress for ``starved_s``."""
+        since = self.starved_since.get(lo)
+        return since is not None and now - since >= self._starved_s
+
+    def paid_due(self, now: float, affords: Callable[[float], bool]
+                 ) -> tuple[int, ShadowJob, int] | None:
+        """The first due shadow, ranges oldest first, whose range starved (``starved``), that
+        is payable (``payable``) and whose expected cost the share ``affords``."""
+        for lo, job in self.jobs.items():
+            if not self.starved(lo, now):
+                continue
+            for count in job.counts:
+                if self.payable(lo, job, count) and affords(self.expected_s(lo, job, count)):
+                    return lo, job, count
+        return None
+
+    # -- the board -------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.jobs)
 
@@ -40,7 +92,7 @@ class JobBoard:
         """A newer batch of range ``lo`` replaced ``old`` before its shadows ran: where both
         would count toward the range's window, ``old`` waits in the backlog (the oldest
         there gives way past ``window``); else it is dropped."""
-        if not (self._toward(lo, old) and self._toward(lo, new)):
+        if not (self.toward_window(lo, old) and self.toward_window(lo, new)):
             self.replaced += 1
             return
         backlog = self.backlog.setdefault(lo, deque(maxlen=self._window))
@@ -58,7 +110,7 @@ class JobBoard:
         backlog = self.backlog[lo]
         while backlog:
             nxt = backlog.pop()
-            if nxt.counts and self._toward(lo, nxt):
+            if nxt.counts and self.toward_window(lo, nxt):
                 self.jobs[lo] = nxt
                 return
         del self.backlog[lo]

@@ -3,20 +3,25 @@ due shadow work (``jobs.JobBoard``), and the steps that move them on a sample, a
 or a change (``Learner``). The tuner (``adaptive.AdaptiveThreads``) calls them with its lock
 held; nothing here runs a forward or decides what is served (``ExactnessLedger.may_serve``).
 
-Samples: an exploring range takes each count's time from served forwards and shadows until
-the estimator chooses a count (``estimator.choose``: ``update``); a learned range's times are
-watched against those it was learned with (``estimator.changed``: ``watch``), and a moved
-one relearns the range. A shadow that differs from the served answer retires learning for
-good (``drift``, R4.7).
+Samples: a range exploring times each count on its served forwards (the shadow side frozen
+meanwhile, or none beside it) and on shadows, until the estimator chooses a count
+(``estimator.choose``: ``update``); mode 2 with a voucher serves the counts it lacks samples
+for in turn (vouched exploration), audited at the configured count. Once learned, every
+``audit_every``-th forward gets a probe shadow at another count, and forwards at a count
+whose time moved by ``relearn_factor`` from that same count's when learned relearn the range
+(``estimator.changed``: ``watch``, R4.11). A shadow that differs from the served answer
+retires learning for good (``drift``, R4.7). A new worker learns from fresh samples; drift
+and vouchers survive restarts.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from vllm_srun.records.host_record import DriftEvent
+from vllm_srun.records.host_record import DriftEvent, Voucher
+from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import ContentionWatch
 from vllm_srun.tuner.estimator import (
@@ -30,10 +35,11 @@ from vllm_srun.tuner.jobs import JobBoard
 from vllm_srun.tuner.ledger import ExactnessLedger, first_difference
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import RecordSync
-from vllm_srun.tuner.policy import shadow_plan
+from vllm_srun.tuner.policy import explore_count, shadow_plan
 from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, relearn, settle
 from vllm_srun.tuner.scheduling import ShadowJob
 from vllm_srun.tuner.settings import TunerSettings
+from vllm_srun.tuner.tally import Tally
 
 log = logging.getLogger(__name__)
 
@@ -41,72 +47,67 @@ log = logging.getLogger(__name__)
 class Learner:
     def __init__(self, mode: AdaptiveMode, configured: int, counts: Sequence[int],
                  settings: TunerSettings, ledger: ExactnessLedger, sync: RecordSync,
-                 contention: ContentionWatch, worker: str) -> None:
+                 contention: ContentionWatch, tally: Tally, worker: str) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.settings, self.ledger, self.sync, self.contention = settings, ledger, sync, contention
+        self.tally = tally  # it counts the served samples it took, or could not
         self.worker = worker  # named in the drift it records
         self.ranges: dict[int, RangeLearning] = {}
-        self.board = JobBoard(settings.window, self.toward_window)
+        self.board = JobBoard(settings, ledger, self.ranges, self.need)
 
     # -- what a range needs ----------------------------------------------------------------
     def need(self, r: RangeLearning) -> list[int]:
         """Counts an exploring range still lacks ``min_samples`` of."""
         return counts_needing_samples(r.samples, self.counts, self.settings.min_samples)
 
-    def toward_window(self, lo: int, job: ShadowJob) -> bool:
-        """``job``'s one comparison would count toward a transition window still open
-        (``ExactnessLedger.toward_window``)."""
-        r = self.ranges.get(lo)
-        return len(job.counts) == 1 and r is not None and self.ledger.toward_window(
-            lo, job.served_threads, job.counts[0], r.learned)
+    def explore_served(self, lo: int, r: RangeLearning, serving: int, now: float) -> int:
+        """Mode 2, vouched: an exploring range times each count on served forwards, the one
+        it lacks samples of most first (``policy.explore_count``); a count whose cores other
+        tasks hold waits."""
+        if not r.explore_served:
+            r.explore_served = True
+            log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
+        need = [k for k in self.need(r) if not self.contention.cores_busy(now, k)]
+        return explore_count(r.samples, self.counts, serving, need,
+                             lambda n: self.ledger.voucher.covers_counts(n, self.configured))
 
-    def payable(self, lo: int, job: ShadowJob, count: int) -> bool:
-        """A shadow the learning share may pay for: it times a count its exploring range
-        lacks samples of, or compares toward a transition window still open (R4.5 amended;
-        not audits of what a range serves, nor probes)."""
-        r = self.ranges.get(lo)
-        return r is not None and ((r.exploring and count in self.need(r)) or
-                                  self.ledger.toward_window(lo, job.served_threads, count,
-                                                            r.learned))
+    # -- the record read back, a served forward ended ----------------------------------------
+    def read_back(self, event: DriftEvent | None, voucher: Voucher | None) -> None:
+        """Drift and the voucher as the record holds them now: a drift any worker of the
+        scope recorded retires this one; a new sweep or a reset starts or stops ranges
+        serving at once."""
+        if voucher is not None:
+            self.ledger.voucher = voucher
+        if event is not None and self.ledger.retired is None:
+            self.retire(event)
+            log.warning("threads_drift_seen_by_another worker=%s seen_by=%s rows=%d "
+                        "padded_tokens=%d", self.worker, event.worker, event.rows,
+                        event.padded_tokens)
+        else:
+            self.settle_all()
 
-    def expected_s(self, lo: int, job: ShadowJob, count: int) -> float:
-        """How long a shadow of ``job`` at ``count`` will likely take: the count's samples in
-        its range, else the served forward's time scaled by the counts' ratio."""
-        r = self.ranges.get(lo)
-        known = r.samples.get(count) if r is not None else None
-        return typical(known) / 1000 if known else job.served_s * job.served_threads / count
+    def served(self, batch: TokenBatch, result: ForwardResult, contention: str | None,
+               sample: bool, now: float) -> bool:
+        """A served forward ended while learning: a learned range watches its time
+        (``watch_served``); an exploring one takes it as a ``sample`` where no shadow ran
+        beside it, unless other tasks held the cores it needed. Returns whether the batch
+        became its range's due shadow work."""
+        lo = size_range(batch.padded_tokens)[0]
+        r = self.ranges.setdefault(lo, RangeLearning())
+        if r.learned is not None:
+            self.watch_served(lo, r, result, batch.padded_tokens, contention)
+        elif sample:
+            if self.contention.cores_busy(now, result.num_threads):
+                self.tally.samples_cores_busy += 1
+            else:
+                self.tally.served_samples += 1
+                self.sample(lo, r, result.num_threads, result.forward_s * 1000,
+                            batch.padded_tokens)
+        counts = self.shadow_counts(lo, result.num_threads, contention)
+        if counts:
+            self.put(lo, batch, result, counts, now)
+        return bool(counts)
 
-    def starved(self, lo: int, now: float) -> bool:
-        """Range ``lo``'s payable work made no progress for ``starved_s``."""
-        since = self.board.starved_since.get(lo)
-        return since is not None and now - since >= self.settings.starved_s
-
-    def paid_due(self, now: float, affords: Callable[[float], bool]
-                 ) -> tuple[int, ShadowJob, int] | None:
-        """The first due shadow, ranges oldest first, whose range starved (``starved``), that
-        is payable (``payable``) and whose expected cost the share ``affords``."""
-        for lo, job in self.board.jobs.items():
-            if not self.starved(lo, now):
-                continue
-            for count in job.counts:
-                if self.payable(lo, job, count) and affords(self.expected_s(lo, job, count)):
-                    return lo, job, count
-        return None
-
-    def explore_count(self, r: RangeLearning, serving: int, need: list[int]) -> int:
-        """The count with the fewest samples among those a range needs now (ties: the one
-        nearest the count it serves); when it may time none now (other tasks hold their
-        cores), the vouched count fastest so far (``serving`` before any has a few
-        samples)."""
-        if not need:
-            known = [n for n in self.counts if len(r.samples.get(n, ())) >= 3
-                     and self.ledger.voucher.covers_counts(n, self.configured)]
-            return min(known, key=lambda n: (typical(r.samples[n]), n != serving, n)) \
-                if known else serving
-        return min(need, key=lambda n: (len(r.samples.get(n, ())),
-                                        abs(n.bit_length() - serving.bit_length()), n))
-
-    # -- a served forward ended --------------------------------------------------------------
     def watch_served(self, lo: int, r: RangeLearning, result: ForwardResult, tokens: int,
                      contention: str | None) -> None:
         """A learned range served a forward: its slowdown for the contention watch, and its
@@ -151,7 +152,7 @@ class Learner:
         the back); where some of it is payable, the range starts to starve from now."""
         job = ShadowJob(batch, result.outputs, result.num_threads, counts, result.forward_s)
         self.board.put(lo, job)
-        if any(self.payable(lo, job, n) for n in counts):
+        if any(self.board.payable(lo, job, n) for n in counts):
             self.board.starved_since.setdefault(lo, now)
 
     # -- a shadow ended --------------------------------------------------------------------

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_srun.records.host_record import HostRecord, HostRecordError, Scope
+from vllm_srun.records.host_record import DriftEvent, HostRecord, HostRecordError, Scope, Voucher
 from vllm_srun.tuner.cadence import waits
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,13 @@ class RecordSync:
             self.error = str(exc)
             log.error("host_record_failed action=%s error=%s", what, exc)
             return None
+
+    def read_back(self) -> tuple[DriftEvent | None, Voucher | None]:
+        """The scope's drift and voucher as the record holds them (None for either without a
+        record or where the read failed)."""
+        scope = self.scope
+        return (self.guard("read_drift", lambda rec: rec.drift(scope)),
+                self.guard("read_voucher", lambda rec: rec.voucher(scope)))
 
     def take(self, now: float) -> Pending:
         """What to write now (the caller holds the tuner's lock); nothing pending after."""

@@ -1,12 +1,15 @@
-"""When a shadow's time is a sample and which shadows a served batch gets, as small pure
-functions (R4.5, R4.6); the estimate and the choice of a count are ``estimator``'s."""
+"""When a shadow's time is a sample, which shadows a served batch gets and which count a
+vouched exploring range serves, as small pure functions (R4.5, R4.6, R4.8); the estimate and
+the choice of a learned count are ``estimator``'s."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from vllm_srun.tuner.estimator import typical
 
 # the report's vocabulary of range states lives with the state machine (``ranges``)
 from vllm_srun.tuner.ranges import RangeState
@@ -74,5 +77,20 @@ def shadow_plan(need: Sequence[int], window_due: bool, learned: int | None,
         return []
     return [others[(served_at_learned // probe_every) % len(others)]]
 
-__all__ = ["RangeState", "Summary", "clean_window", "likely_uninterrupted", "preempted",
+def explore_count(samples: Mapping[int, Sequence[float]], counts: Sequence[int], serving: int,
+                  need: Sequence[int], vouched: Callable[[int], bool]) -> int:
+    """The count a vouched exploring range serves next: the one with the fewest samples among
+    those it ``need``s now (ties: the one nearest the count it serves); when it may time none
+    now (other tasks hold their cores), the ``vouched`` count fastest so far (``serving``
+    before any has a few samples)."""
+    if not need:
+        known = [n for n in counts if len(samples.get(n, ())) >= 3 and vouched(n)]
+        return min(known, key=lambda n: (typical(samples[n]), n != serving, n)) \
+            if known else serving
+    return min(need, key=lambda n: (len(samples.get(n, ())),
+                                    abs(n.bit_length() - serving.bit_length()), n))
+
+
+__all__ = ["RangeState", "Summary", "clean_window", "explore_count", "likely_uninterrupted",
+           "preempted",
            "shadow_plan", "summarize"]
