@@ -1,7 +1,7 @@
 """Adaptive threads (R4.3-R4.8, R4.11-R4.13): the coordinator of one worker's learning.
 
 The engine asks ``served_threads`` right before each served forward and tells ``observe``
-right after it ends; the shadow loop (``shadows.ShadowLoop``) calls ``step``; a record watch
+right after it ends; the shadow loop (``shadow_loop.ShadowLoop``) calls ``step``; a record watch
 calls ``poll_record``. Each call reads plain state and asks the parts that decide:
 
 - ``ledger.ExactnessLedger``: the only gate on what is served (golden check, voucher,
@@ -56,8 +56,8 @@ from vllm_srun.tuner.policy import clean_window, preempted
 from vllm_srun.tuner.ranges import RangeLearning, wanted_count
 from vllm_srun.tuner.scheduling import ShadowGate, ShadowJob
 from vllm_srun.tuner.settings import TunerSettings
+from vllm_srun.tuner.shadow_loop import ShadowLoop
 from vllm_srun.tuner.shadow_side import ShadowSide
-from vllm_srun.tuner.shadows import ShadowLoop
 from vllm_srun.tuner.tally import Tally
 
 __all__ = ["AdaptiveThreads", "RangeLearning", "TunerSettings", "output_bits"]

@@ -2,7 +2,7 @@
 shadows (idle class, or at normal priority where the learning share pays), the freezer that
 stops them beside timed served forwards, what they may spend and spent (the idle-class
 budget, the paid share, wall time), their faults, the loop that runs them
-(``shadows.ShadowLoop``) and mode 2's idle verification (``idle_verify.IdleVerifier``).
+(``shadow_loop.ShadowLoop``) and mode 2's idle verification (``idle_verify.IdleVerifier``).
 
 Mechanism only: what runs when is ``AdaptiveThreads.step`` and ``scheduling.ShadowGate``'s.
 """
@@ -18,7 +18,7 @@ from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.freezer import Freezer
 from vllm_srun.tuner.inflight import ShadowStart
 from vllm_srun.tuner.settings import TunerSettings
-from vllm_srun.tuner.shadows import STOP_WAIT_S, ShadowLoop
+from vllm_srun.tuner.shadow_loop import STOP_WAIT_S, ShadowLoop
 from vllm_srun.tuner.share import PaidShare, ShadowBudget
 
 if TYPE_CHECKING:

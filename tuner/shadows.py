@@ -14,9 +14,8 @@ held the GIL while the kernel starved it (SCHED_IDLE on a busy host) would stall
 forward waiting for the GIL (measured: served p99 12x worse on this shared host).
 
 ``idle_shadows``: the same in-process, on ``SCHED_IDLE`` lanes over the backend's twin (tests
-that wrap a backend use it; it has that GIL hazard). ``ShadowLoop`` is the tuner's thread: it
-only hands batches over and keeps the books, at normal priority, holding the tuner's lock for
-bookkeeping only; a shadow starts only while no served forward runs.
+that wrap a backend use it; it has that GIL hazard). The child's own side is
+``shadow_child``; the tuner's thread that hands shadows over, ``shadow_loop.ShadowLoop``.
 """
 
 from __future__ import annotations
@@ -32,15 +31,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vllm_srun.runtime.backend import Backend, load_backend
+from vllm_srun.runtime.backend import Backend
 from vllm_srun.runtime.errors import RuntimeFault
-from vllm_srun.runtime.lifetime import die_with_parent
-from vllm_srun.runtime.threads import ThreadContext, make_process_idle, set_process_idle
+from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.types import ForwardResult, Manifest, TokenBatch
-from vllm_srun.tuner.run_delay import RunDelay, forward_wait_s
+from vllm_srun.tuner.shadow_child import cpu_ticks, serve_shadows
 
 if TYPE_CHECKING:
-    from vllm_srun.tuner.adaptive import AdaptiveThreads, Forward
+    from vllm_srun.tuner.adaptive import Forward
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ class _Child:
         self.frozen_ok = False
         self.frozen = False  # the tuner froze it (``pause``): no CPU time is no hang
         self.ended = False  # killed and reaped (``end``): the next forward starts another
-        self.process = ctx.Process(target=_serve_shadows,
+        self.process = ctx.Process(target=serve_shadows,
                                    args=(child, manifest, backend, os.getpid(), self.armed,
                                          self.loaded, precision),
                                    name="vllm-srun-shadows", daemon=True)
@@ -189,7 +187,7 @@ class ShadowProcess:
         frozen by the tuner."""
         used, progress_at = None, time.monotonic()
         while not child.conn.poll(POLL_S):  # (a dead child's end reads as ready: EOF)
-            now, ticks = time.monotonic(), _cpu_ticks(child.process.pid)
+            now, ticks = time.monotonic(), cpu_ticks(child.process.pid)
             if child.frozen or ticks != used:
                 used, progress_at = ticks, now
             elif now - progress_at >= self.hang_s:
@@ -252,144 +250,7 @@ class _Hung(Exception):
     """The shadow child gave no answer and used no CPU time for ``hang_s``."""
 
 
-def _cpu_ticks(pid: int) -> int | None:
-    """CPU time of a process, all its threads, in clock ticks; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, armed,
-                   loaded, precision: str = "float32") -> None:
-    die_with_parent(parent, signal.SIGKILL)  # SIGKILL: even while frozen
-    armed.set()  # only now may the worker freeze it
-    make_process_idle()  # every thread made from here on inherits it
-    backend = load_backend(manifest, backend_name, precision=precision)
-    loaded.set()
-    context = ThreadContext()
-    waits = RunDelay()  # the forward's own threads' waits (``run_delay``)
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        ids, mask, types, raw, n, paid = msg  # the served batch as it ran (pairs, raw rows)
-        batch = TokenBatch(ids, mask, types, raw)
-        try:
-            if paid and not set_process_idle(False):  # normal priority for this job only
-                log.warning("paid_shadow_priority_unavailable action=run_idle")
-            try:
-                r, waited = context.run(n, lambda b=batch, k=n: _waited(waits, backend, b, k))
-            finally:
-                if paid:
-                    set_process_idle(True)
-            conn.send((True, (r.outputs, r.num_threads, r.observed_threads, r.forward_s,
-                              waited)))
-        except Exception as exc:  # reported to the tuner, which logs it
-            conn.send((False, repr(exc)))
-
-
-def _waited(waits: RunDelay, backend: Backend, batch: TokenBatch, n: int
-            ) -> tuple[ForwardResult, float | None]:
-    """A forward on its lane, with its threads' waits over just its own time (a lane that
-    waited to be woken is not the count's cost either)."""
-    before = waits.snapshot()
-    r = backend.forward(batch, n)
-    return r, forward_wait_s(before, waits.snapshot(), n, r.forward_s)
-
-
 def shadow_process(manifest: Manifest, backend: str) -> tuple[Forward, Callable[[], None]]:
     """A shadow ``Forward`` served by a ``ShadowProcess``, and how to stop it."""
     proc = ShadowProcess(manifest, backend)
     return proc.forward, proc.close
-
-
-# after a shadow forward fails (its process died, hung, or the forward raised), the shadow
-# loop waits this long before the next, doubling with each failure in a row up to the most:
-# a one-off death (the OOM killer, an operator) costs learning a second; a child that dies
-# at every start (a broken install) loads the model at most once a minute (idle class)
-RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 60.0
-# ``stop`` waits this long for a shadow in flight before the tuner closes the shadow side
-# under it (which ends a hung one): the longest shadows run about a second (FACTS.md)
-STOP_WAIT_S = 5.0
-
-
-class ShadowLoop:
-    """The tuner's own thread (normal priority: it holds the GIL and the tuner's lock only for
-    bookkeeping): it warms every count on the shadow side, then runs due shadows whenever no
-    served forward runs, and writes learnings to the record every ``flush_s``. A shadow
-    forward that fails (``RuntimeFault``) is counted (``shadow_faults``) and retried after a
-    backoff (``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``); a ``ShadowProcess`` starts a new
-    child for it. Any other error stops learning; serving goes on, and the report says why."""
-
-    def __init__(self, tuner: AdaptiveThreads, warm: TokenBatch) -> None:
-        self.tuner, self._warm = tuner, warm
-        self._stop = False
-        self._retry_s = 0.0  # the backoff after the last failure in a row; 0 after a success
-        self.thread = threading.Thread(target=self._run, name="shadows", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        t = self.tuner
-        while not self._stop:
-            try:
-                self._learn()
-            except RuntimeFault as exc:
-                if self._stop:  # the tuner closed the shadow side under a shadow in flight
-                    return
-                self._failed(exc)
-            except Exception as exc:  # learning stops; serving goes on, the report says why
-                t.side.error = f"shadow forwards stopped: {exc}"
-                log.exception("shadow_loop_failed")
-                return
-
-    def _learn(self) -> None:
-        t = self.tuner
-        if not t.side.warm:
-            for n in t.counts:  # warm every count before it is timed
-                t.run_shadow(self._warm, n)
-            t.side.warm = True
-        while not self._stop:
-            if t.step():
-                self._retry_s = 0.0
-                continue
-            if t.flush_due():
-                t.flush()
-            if t.side.verifier.step():  # nothing else due: verify a shape (mode 2)
-                self._retry_s = 0.0
-                continue
-            with t.lock:  # woken when a served forward ends, or a shadow may start
-                if not self._stop:
-                    wait_s = 0.05 if t.learner.board.jobs or t.side.verifier.pending() else \
-                        t.settings.flush_s
-                    if t.gate.sharing_at > (now := t.clock()):
-                        wait_s = min(wait_s, t.gate.sharing_at - now)
-                    t.lock.wait(timeout=wait_s)
-
-    def _failed(self, exc: RuntimeFault) -> None:
-        """A shadow forward failed: count it, say so, and wait out the backoff."""
-        t = self.tuner
-        self._retry_s = min(RETRY_MAX_S, max(RETRY_FIRST_S, 2 * self._retry_s))
-        with t.lock:
-            t.side.faults += 1
-            t.side.error = (f"shadow forwards failed {t.side.faults} time(s), retried "
-                              f"after a backoff; the last: {exc}")
-            log.warning("shadow_forward_failed faults=%d retry_s=%.0f error=%s",
-                        t.side.faults, self._retry_s, exc)
-            end = time.monotonic() + self._retry_s
-            while not self._stop and (left := end - time.monotonic()) > 0:
-                t.lock.wait(timeout=left)
-
-    def stop(self, wait_s: float = 60.0) -> bool:
-        """Ask the loop to end; wait up to ``wait_s`` for it. Returns whether it ended."""
-        with self.tuner.lock:
-            self._stop = True
-            self.tuner.lock.notify_all()
-        self.thread.join(timeout=wait_s)
-        return not self.thread.is_alive()

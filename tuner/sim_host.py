@@ -51,7 +51,7 @@ from vllm_srun.tuner.sim_types import (
 
 __all__ = ["Arrival", "CoresHook", "Neighbour", "Noise", "Outcome", "SimulatedHost"]
 
-POLL_S = 0.05  # the real shadow loop's wait while shadows are due (tuner/shadows.py)
+POLL_S = 0.05  # the real shadow loop's wait while shadows are due (tuner/shadow_loop.py)
 # a hook for host-wide core sharing (tuner/cores.py): (worker, count its tuner wants, the
 # counts the other workers serve now) -> the count it runs
 CoresHook = Callable[[int, int, Sequence[int]], int]

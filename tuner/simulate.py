@@ -14,7 +14,7 @@ model and its cores.
   slow served forwards beside them); noise is a slowly varying host-wide factor times
   per-forward noise. Requests are rows of one length each, batched as the runtime batches them
   (``runtime.batching.next_batch``) into rows x length forwards. Each worker's shadow loop
-  is the tuner's ``step`` run until it returns False, woken as ``tuner/shadows.py``'s loop
+  is the tuner's ``step`` run until it returns False, woken as ``tuner/shadow_loop.py``'s loop
   is (a served forward's end; every 0.05 s while ``pending_shadows``), on a thread of its own
   in lockstep with the virtual clock (``tuner/sim_lane.py``); the loop's warm-up of each
   count and its flushes to the record are left out.
