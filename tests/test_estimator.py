@@ -58,7 +58,10 @@ def test_the_change_detector_compares_one_count_with_itself_either_way():
     (0.030, None, 2, 30.0),  # the kernel keeps no run delay: as measured
     (0.030, 0.020, 2, 20.0),  # 20 ms of its two threads' waiting: 10 ms each
     (0.030, 0.010, 1, 20.0),
-    (0.010, 0.050, 2, 0.0)])  # never below zero
+    (0.030, 0.030, 2, 15.0),  # waited half its time per thread: still a sample
+    (0.030, 0.031, 1, None),  # waited more than it ran: no sample (was 0 ms below)
+    (0.010, 0.050, 2, None)])  # (was 0 ms: a median of 0 divided a speed-up by zero)
 def test_a_shadows_time_less_its_threads_run_delay_per_thread(forward_s, waited_s, threads,
                                                               ms):
-    assert served_cost_ms(forward_s, waited_s, threads) == pytest.approx(ms)
+    got = served_cost_ms(forward_s, waited_s, threads)
+    assert got is None if ms is None else got == pytest.approx(ms)

@@ -28,9 +28,11 @@ def backend():
     return load_backend(M, "onnxruntime")
 
 
-def back_to_back(backend, share: float, forwards: int) -> tuple[AdaptiveThreads, int | None]:
+def back_to_back(backend, share: float, forwards: int, mode: AdaptiveMode = AdaptiveMode.SERVE,
+                 waited: float = 0.0) -> tuple[AdaptiveThreads, int | None]:
     """Serve up to ``forwards`` one-row forwards back to back (each shadow step runs while
-    one is in flight); returns the tuner and the forward at which range 16-31 served 2."""
+    one is in flight); returns the tuner and the forward at which range 16-31 served 2. A
+    shadow's threads each waited ``waited`` of its time for a CPU."""
     now = [0.0]
     settings = TunerSettings(background=False, min_samples=4, window=4, learning_share=share)
     paid_runs = []
@@ -39,9 +41,9 @@ def back_to_back(backend, share: float, forwards: int) -> tuple[AdaptiveThreads,
         result = backend.forward(batch, n)
         paid_runs.append(paid)
         now[0] += SHADOW_S
-        return replace(result, forward_s=SHADOW_S, waited_s=0.0)
+        return replace(result, forward_s=SHADOW_S, waited_s=waited * n * SHADOW_S)
 
-    tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), Scope("h", M.revision, "o"), None,
+    tuner = AdaptiveThreads(mode, 1, (1, 2), Scope("h", M.revision, "o"), None,
                             backend.forward, settings, clock=lambda: now[0],
                             shadow_forward=shadow, paid_forward=lambda b, n: shadow(b, n, True))
     tuner.ledger.locked_reason = None
@@ -102,3 +104,17 @@ def test_the_share_setting_is_validated_and_named_in_its_error():
             learning_share(None, {LEARNING_SHARE_ENV: bad})
         with pytest.raises(ConfigError, match="--learning-share"):
             learning_share(bad, {})
+
+
+@pytest.mark.parametrize("waited", [0.6, 1.0])
+def test_a_paid_shadow_whose_threads_mostly_waited_is_compared_but_not_timed(backend, waited):
+    """R4.5: a paid shadow runs beside served forwards at normal priority; where its threads
+    waited for a CPU for most of its time, what is left once the wait is taken out is no
+    measure of the count (it came to 0 ms, and a median of 0 ms divided the range's speed-up
+    by zero, which ended the shadow loop). Such a shadow is still compared bit for bit and
+    counted as preempted, and gives no sample."""
+    tuner, _ = back_to_back(backend, 0.02, 300, AdaptiveMode.LEARN, waited)
+    r = tuner.learner.ranges[16]
+    assert tuner.side.paid.paid_shadows >= 1 and tuner.tally.preempted >= 1
+    assert not r.samples.get(2) and r.learned is None
+    assert tuner.ledger.comparisons >= 1 and tuner.ledger.retired is None

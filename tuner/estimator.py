@@ -76,10 +76,22 @@ def typical(samples_ms: Sequence[float]) -> float:
     return float(np.median(np.asarray(samples_ms, dtype=np.float64)))
 
 
-def served_cost_ms(forward_s: float, waited_s: float | None, threads: int) -> float:
+# A shadow whose threads waited, per thread, for more than this share of its wall time ran for
+# less than the time it waited: what is left once the wait is taken out is too little of the
+# forward to time the count by (under load 5 on 2 vCPUs paid shadows came to 0 ms, and a
+# median of 0 ms divided a range's speed-up by zero, which ended the shadow loop). Half: the
+# point where the forward's own time stops being the larger part of what was measured.
+MAX_WAITED_SHARE = 0.5
+
+
+def served_cost_ms(forward_s: float, waited_s: float | None, threads: int) -> float | None:
     """What a shadow's forward at ``threads`` would take as a served forward (see the module
-    docstring): its time less its threads' run delay, per thread."""
-    return 1000 * max(forward_s - (waited_s or 0.0) / max(1, threads), 0.0)
+    docstring): its time less its threads' run delay, per thread; None (no sample) where the
+    wait was over ``MAX_WAITED_SHARE`` of it."""
+    per_thread_s = (waited_s or 0.0) / max(1, threads)
+    if per_thread_s > MAX_WAITED_SHARE * forward_s:
+        return None
+    return 1000 * (forward_s - per_thread_s)
 
 
 def losing_counts(samples_by_count: Mapping[int, Sequence[float]],

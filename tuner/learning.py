@@ -173,10 +173,12 @@ class Learner:
             self.sync.pending.shapes.add((*job.batch.input_ids.shape, other))  # this shape
         r = self.ranges.setdefault(lo, RangeLearning())
         progress = self.ledger.toward_window(lo, job.served_threads, count, r.learned)
-        if clean:
+        cost_ms = served_cost_ms(result.forward_s, result.waited_s, count)
+        if clean and cost_ms is None:
+            self.tally.preempted += 1  # compared bit for bit, but mostly waiting: no sample
+        elif clean:
             progress |= r.exploring and count in self.need(r)
-            self.sample(lo, r, count, served_cost_ms(result.forward_s, result.waited_s, count),
-                        job.batch.padded_tokens)
+            self.sample(lo, r, count, cost_ms, job.batch.padded_tokens)
         if progress or paid:  # the share pays again only after ``starved_s`` more
             self.board.starved_since.pop(lo, None)
         r = self.ranges[lo]
@@ -239,7 +241,7 @@ class Learner:
 
     def speedup(self, r: RangeLearning) -> float:
         a, b = r.samples.get(self.configured), r.samples.get(r.learned or self.configured)
-        return typical(a) / typical(b) if a and b else 1.0
+        return typical(a) / typical(b) if a and b and typical(b) > 0 else 1.0
 
     def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
               window: int) -> None:
