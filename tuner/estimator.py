@@ -129,9 +129,10 @@ def choose(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int
 
 def speedup(samples_by_count: Mapping[int, Sequence[float]], configured: int,
             count: int) -> float | None:
-    """The configured count's median over ``count``'s."""
+    """The configured count's median over ``count``'s (None without samples of both, or
+    where ``count``'s median is 0)."""
     a, b = samples_by_count.get(configured), samples_by_count.get(count)
-    if not a or not b:
+    if not a or not b or typical(b) <= 0:
         return None
     return typical(a) / typical(b)
 

@@ -29,6 +29,7 @@ from vllm_srun.tuner.estimator import (
     choose,
     counts_needing_samples,
     served_cost_ms,
+    speedup,
     typical,
 )
 from vllm_srun.tuner.jobs import JobBoard
@@ -240,8 +241,7 @@ class Learner:
                  lo, 2 * lo - 1, r.learned, self.ledger.progress(lo, r.learned))
 
     def speedup(self, r: RangeLearning) -> float:
-        a, b = r.samples.get(self.configured), r.samples.get(r.learned or self.configured)
-        return typical(a) / typical(b) if a and b and typical(b) > 0 else 1.0
+        return speedup(r.samples, self.configured, r.learned or self.configured) or 1.0
 
     def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
               window: int) -> None:
