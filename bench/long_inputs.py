@@ -14,10 +14,18 @@ to 1,024 tokens, 1 above) and the faster count.
 the paths in ``--paths`` at ``--threads``, side by side: ``float32-sdpa`` (transformers' sdpa
 with the full mask: the path before windowed attention), ``float32-windowed`` (what the
 runtime loads now, runtime/attention.py), ``bfloat16-sdpa``, ``bfloat16-windowed``
-(``from_pretrained(..., dtype=torch.bfloat16)``). Gates, against ``float32-sdpa``: a float32
-path within 1e-5 (max |difference| of the last hidden state), a bfloat16 one at cosine >=
-0.999 (mean-pooled); and eager against sdpa at float32 within 1e-5 at ``--eager-tokens``
-(eager materialises every [tokens x tokens] score matrix, so not at 8k).
+(``from_pretrained(..., dtype=torch.bfloat16)``), and on request ``onnxruntime-float32`` and
+``onnxruntime-int8`` (the runtime's own ONNX export and its int8 copy, runtime/export.py; the
+export scores every [tokens x tokens] pair in every layer, so mind the memory: 5.7 GB peak
+at 4,096 tokens). Gates, against ``float32-sdpa``: a float32 path within 1e-5 (max
+|difference| of the last hidden state), a bfloat16 or int8 one at cosine >= 0.999
+(mean-pooled); and eager against sdpa at float32 within 1e-5 at ``--eager-tokens`` (eager
+materialises every [tokens x tokens] score matrix, so not at 8k).
+
+``--profile`` runs one forward of each of ``--paths`` under torch's profiler and splits its
+time: attention in global and in local layers, the linear layers' matrix products, the rest.
+``--block-sweep 16,32,...`` times one local layer's attention at each block size
+(``--dtypes``); see ``block_sweep``.
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ def build_model(folder: Path) -> Path:
     return folder
 
 
-PATHS = ("float32-sdpa", "float32-windowed", "bfloat16-sdpa", "bfloat16-windowed")
+PATHS = ("float32-sdpa", "float32-windowed", "bfloat16-sdpa", "bfloat16-windowed",
+         "onnxruntime-float32", "onnxruntime-int8")
 
 
 def text_ids(tokens: int) -> list[int]:
@@ -77,25 +86,74 @@ def load_path(folder: Path, path: str):
                                            attn_implementation=impl).eval()
 
 
-def compare(folder: Path, tokens: int, threads: int, paths: list[str],
-            eager_tokens: int) -> dict:
-    """One forward per path at ``tokens`` (see the module doc), then the gates."""
+def path_forward(folder: Path, path: str, threads: int):
+    """``path``'s forward: (ids, mask) -> the last hidden state as float32."""
     import torch
+
+    if path.startswith("onnxruntime-"):
+        return _onnx_forward(folder, path.split("-")[1], threads)
+    model = load_path(folder, path)
+
+    def forward(ids, mask):
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+    return forward
+
+
+def _onnx_forward(folder: Path, precision: str, threads: int):
+    """The runtime's own ONNX export (or its int8 copy, the default recipe) in an onnxruntime
+    session with the backend's options, the cache in the model's temporary folder."""
+    import onnxruntime as ort
+    import torch
+
+    from vllm_srun.runtime.export import ensure_onnx, ensure_quantized
+
+    os.environ["VLLM_SRUN_CACHE_DIR"] = str(folder / "cache")
+    manifest = resolve(str(folder))
+    onnx = ensure_quantized(manifest) if precision == "int8" else ensure_onnx(manifest)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    session = ort.InferenceSession(str(onnx), opts, providers=["CPUExecutionProvider"])
+
+    def forward(ids, mask):
+        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+        return torch.from_numpy(session.run(None, feed)[0])
+    return forward
+
+
+def compare(folder: Path, tokens: int, threads: int, paths: list[str],
+            eager_tokens: int, rounds: int = 1) -> dict:
+    """One forward per path at ``tokens`` in each of ``rounds`` rounds (see the module doc),
+    then the gates; speed-ups are medians over rounds, the CPU seconds' too."""
+    import torch
+
+    from vllm_srun.runtime import attention
 
     torch.set_num_threads(threads)
     ids = torch.tensor([text_ids(tokens)])
     mask = torch.ones_like(ids)
-    out: dict = {"tokens": tokens, "threads": threads, "paths": {}}
+    out: dict = {"tokens": tokens, "threads": threads, "rounds": rounds, "paths": {},
+                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                 "block_tokens": attention.BLOCK_TOKENS}
     hidden: dict[str, torch.Tensor] = {}
-    for path in paths:
-        model = load_path(folder, path)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            hidden[path] = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-            seconds = time.perf_counter() - t0
-        del model
-        out["paths"][path] = {"forward_s": seconds, "load_1min": os.getloadavg()[0]}
-        print(f"{path}: {seconds:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    for _ in range(rounds):  # rounds interleave the paths, so a load change hits them alike
+        for path in paths:
+            forward = path_forward(folder, path, threads)
+            t0, c0 = time.perf_counter(), time.process_time()
+            hidden[path] = forward(ids, mask)
+            seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+            del forward
+            row = out["paths"].setdefault(path, {"rounds_s": [], "rounds_cpu_s": [],
+                                                 "load_1min": []})
+            row["rounds_s"].append(seconds)
+            row["rounds_cpu_s"].append(cpu_s)
+            row["load_1min"].append(os.getloadavg()[0])
+            print(f"{path}: {seconds:.1f} s, {cpu_s:.1f} CPU s "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    for row in out["paths"].values():
+        row["forward_s"] = statistics.median(row["rounds_s"])
+        row["cpu_s"] = statistics.median(row["rounds_cpu_s"])
     ref = hidden.get("float32-sdpa")
     for path, h in hidden.items():
         if ref is None or path == "float32-sdpa":
@@ -103,11 +161,12 @@ def compare(folder: Path, tokens: int, threads: int, paths: list[str],
         a, b = h.mean(1).double(), ref.mean(1).double()
         gate = {"max_abs_diff": float((h - ref).abs().max()),
                 "cosine": float(torch.nn.functional.cosine_similarity(a, b).min())}
-        gate["passed"] = (gate["max_abs_diff"] <= 1e-5 if path.startswith("float32")
+        gate["passed"] = (gate["max_abs_diff"] <= 1e-5 if "float32" in path
                           else gate["cosine"] >= 0.999)
-        gate["speedup"] = out["paths"]["float32-sdpa"]["forward_s"] / out["paths"][path][
-            "forward_s"]
-        out["paths"][path]["gate"] = gate
+        base, row = out["paths"]["float32-sdpa"], out["paths"][path]
+        gate["speedup"] = base["forward_s"] / row["forward_s"]
+        gate["cpu_speedup"] = base["cpu_s"] / row["cpu_s"]
+        row["gate"] = gate
         print(f"{path}: {gate}", flush=True)
     out["eager_vs_sdpa"] = _eager_gate(folder, eager_tokens)
     print(f"eager vs sdpa at float32, {eager_tokens} tokens: {out['eager_vs_sdpa']}")
@@ -126,6 +185,107 @@ def _eager_gate(folder: Path, tokens: int) -> dict:
             got[kernel] = model(input_ids=ids, attention_mask=mask).last_hidden_state
     diff = float((got["eager"] - got["sdpa"]).abs().max())
     return {"tokens": tokens, "max_abs_diff": diff, "passed": diff <= 1e-5}
+
+
+LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::_mkldnn_linear",
+              "aten::mkldnn_linear")
+
+
+def profile(folder: Path, tokens: int, threads: int, path: str) -> dict:
+    """One forward of ``path`` under torch's profiler: wall time in each layer kind's attention
+    (a ``record_function`` around the attention call), self time in the linear layers' ops,
+    the rest, and the ten ops with the most self time."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.set_num_threads(threads)
+    model = load_path(folder, path)
+    model.set_attn_implementation(_labelled(model.config._attn_implementation))
+    ids = torch.tensor([text_ids(tokens)])
+    with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        forward_s = time.perf_counter() - t0
+    events = prof.key_averages()
+    parts = {f"attention_{kind}_s": sum(e.cpu_time_total for e in events
+                                        if e.key == f"attention.{kind}") / 1e6
+             for kind in ("global", "local")}
+    parts["linear_s"] = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS) / 1e6
+    parts["rest_s"] = forward_s - sum(parts.values())
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return {"path": path, "tokens": tokens, "threads": threads, "forward_s": forward_s,
+            "parts": parts, "load_1min": os.getloadavg()[0],
+            "top_self_s": {e.key: e.self_cpu_time_total / 1e6 for e in top}}
+
+
+def _labelled(impl: str) -> str:
+    """An attention implementation that runs ``impl`` inside ``attention.global`` or
+    ``attention.local`` profiler ranges (local: the layer has a sliding window)."""
+    from torch.profiler import record_function
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    inner = AttentionInterface()[impl]
+
+    def attention(module, *args, **kwargs):
+        with record_function("attention.local" if kwargs.get("sliding_window")
+                             else "attention.global"):
+            return inner(module, *args, **kwargs)
+
+    name = f"labelled_{impl}"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, AttentionMaskInterface()[impl])
+    return name
+
+
+def block_sweep(tokens: int, threads: int, blocks: list[int], dtype_name: str,
+                repeats: int = 5) -> dict:
+    """One local layer's attention (ModernBERT-base: 12 heads of 64, 128-token window) over
+    ``tokens`` random queries at each block size of ``attention.local_attention``, the sizes
+    interleaved ``repeats`` times: median wall and process CPU seconds (run it with
+    ``OMP_WAIT_POLICY=PASSIVE`` so that idle threads do not spin: CPU seconds then count work,
+    which other jobs on the host disturb far less than wall time), and the largest difference
+    from sdpa over the full mask."""
+    import torch
+    from transformers import ModernBertConfig
+    from transformers.masking_utils import create_bidirectional_sliding_window_mask
+
+    from vllm_srun.runtime import attention
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    config = ModernBertConfig()
+    config._attn_implementation = attention.register()
+    qkv = torch.randn(1, tokens, 3, 12, 64, dtype=dtype)  # the layout ModernBERT hands over
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
+    mask = create_bidirectional_sliding_window_mask(
+        config=config, inputs_embeds=torch.zeros(1, tokens, 1, dtype=dtype),
+        attention_mask=torch.ones(1, tokens, dtype=torch.long))
+    reach = config.sliding_window + 1
+    out: dict = {"tokens": tokens, "threads": threads, "dtype": dtype_name, "blocks": {}}
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out["full_mask_s"] = time.perf_counter() - t0
+        seconds: dict[int, list[float]] = {b: [] for b in blocks}
+        cpu_s: dict[int, list[float]] = {b: [] for b in blocks}
+        for _ in range(repeats):  # interleaved, so a load change hits every size alike
+            for block in blocks:
+                t0, c0 = time.perf_counter(), time.process_time()
+                got = attention.local_attention(q, k, v, mask, reach, None, block)
+                seconds[block].append(time.perf_counter() - t0)
+                cpu_s[block].append(time.process_time() - c0)
+                out["blocks"].setdefault(block, {})["max_abs_diff"] = float(
+                    (got - want).abs().max())
+    for block in blocks:
+        out["blocks"][block].update(median_s=statistics.median(seconds[block]),
+                                    median_cpu_s=statistics.median(cpu_s[block]))
+        print(f"{dtype_name} block {block}: {out['blocks'][block]}", flush=True)
+    out["load_1min"] = os.getloadavg()[0]
+    out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    return out
 
 
 def sizes_up_to(max_tokens: int) -> list[int]:
@@ -184,20 +344,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=600.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--compare", action="store_true")
-    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--paths", default=",".join(PATHS[:4]))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eager-tokens", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--block-sweep", default=None, metavar="TOKENS,...")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args(argv)
+    if args.block_sweep:
+        blocks = [int(b) for b in args.block_sweep.split(",") if b.strip().isdigit()]
+        dtypes = args.dtypes.split(",")
+        if (len(blocks) != len(args.block_sweep.split(",")) or min(blocks) < 1
+                or not set(dtypes) <= {"float32", "bfloat16"}):
+            raise SystemExit("--block-sweep: positive token counts, comma-separated; "
+                             "--dtypes: float32 and/or bfloat16")
+        result = {"uptime_before": os.popen("uptime").read().strip()}
+        for dtype in dtypes:
+            result[dtype] = block_sweep(args.max_tokens, args.threads, blocks, dtype)
+        result["uptime_after"] = os.popen("uptime").read().strip()
+        return _write(args.out, result)
+    if args.profile:
+        with tempfile.TemporaryDirectory(prefix="modernbert-base-") as tmp:
+            folder = build_model(Path(tmp))
+            result = {"uptime_before": os.popen("uptime").read().strip(), "profiles": []}
+            for path in args.paths.split(","):
+                result["profiles"].append(profile(folder, args.max_tokens, args.threads, path))
+                print(json.dumps(result["profiles"][-1], indent=1), flush=True)
+        result["uptime_after"] = os.popen("uptime").read().strip()
+        return _write(args.out, result)
     if args.compare:
         paths = args.paths.split(",")
-        if not set(paths) <= set(PATHS) or args.threads < 1 or args.max_tokens < 2:
+        if (not set(paths) <= set(PATHS) or args.threads < 1 or args.max_tokens < 2
+                or args.rounds < 1):
             raise SystemExit(f"--paths: a subset of {','.join(PATHS)}; --threads >= 1; "
-                             "--max-tokens >= 2")
+                             "--max-tokens >= 2; --rounds >= 1")
         with tempfile.TemporaryDirectory(prefix="modernbert-base-") as tmp:
             folder = build_model(Path(tmp))
             uptime = os.popen("uptime").read().strip()
             print(f"{uptime}; {args.max_tokens} tokens, {args.threads} threads", flush=True)
-            result = compare(folder, args.max_tokens, args.threads, paths, args.eager_tokens)
+            result = compare(folder, args.max_tokens, args.threads, paths, args.eager_tokens,
+                             args.rounds)
         result["uptime_before"] = uptime
         result["uptime_after"] = os.popen("uptime").read().strip()
         if args.out:
@@ -217,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
                              args.repeats, args.deadline_s)
     if args.out:
         Path(args.out).write_text(json.dumps({"counts": counts, "rows": rows}, indent=1))
+    return 0
+
+
+def _write(out: str | None, result: dict) -> int:
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1))
     return 0
 
 
