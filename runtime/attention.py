@@ -20,11 +20,11 @@ transformers' own sdpa unchanged.
 from __future__ import annotations
 
 NAME = "sdpa_windowed"
-# Queries per local block: the fastest of 16-512 in ``python -m bench.long_inputs
+# Queries per local block: the cheapest of 16-512 in ``python -m bench.long_inputs
 # --block-sweep`` (bench/results/long_inputs_blocks.json: one 8,192-token local layer, float32
-# and bfloat16, one busy 2-vCPU AMD EPYC; 32 cost ~0.6x the CPU time of 256). A block scores
-# 2 x reach keys beyond itself, so smaller blocks waste more scores; the sweep found the
-# per-block work of larger ones costs more than that waste at this window (128 tokens).
+# and bfloat16, one busy 2-vCPU AMD EPYC; 32 cost 0.53-0.57x the CPU time of 256). Each query
+# scores block + 2 x reach keys where its window needs 2 x reach - 1, so smaller blocks score
+# fewer masked pairs; at 16 the kernel's per-block overhead outweighed that. One run, one CPU.
 BLOCK_TOKENS = 32
 # Longer inputs take this module's paths; up to here transformers' sdpa runs itself (the
 # full mask costs little at these lengths). The windowed path's own threshold before blocks
@@ -87,7 +87,7 @@ def kept_prefixes(mask, rows: int) -> list[int] | None:
         return None
     first = mask[:, 0, 0, :]  # [rows or 1, keys]: what the first query keeps
     lengths = first.sum(dim=-1)
-    prefix = torch.arange(mask.shape[-1]) < lengths[:, None]
+    prefix = torch.arange(mask.shape[-1], device=mask.device) < lengths[:, None]
     if (not torch.equal(first, prefix) or not bool(lengths.all())
             or not bool((mask == first[:, None, None, :]).all())):
         return None
@@ -113,9 +113,9 @@ def local_attention(query, key, value, mask, reach: int, scaling: float | None,
             .unfold(1, width, block_tokens)  # [rows, blocks, heads, dim, width], overlapping
             .permute(0, 1, 2, 4, 3).reshape(rows * blocks, heads, width, dim)
             for x in (key, value))
-    at = torch.arange(blocks)[:, None] * block_tokens
-    queries = (at + torch.arange(block_tokens)[None]).clamp(max=tokens - 1)  # [blocks, block]
-    keys = at - reach + torch.arange(width)[None]  # [blocks, width]
+    at = torch.arange(blocks, device=mask.device)[:, None] * block_tokens
+    queries = (at + torch.arange(block_tokens, device=mask.device)[None]).clamp(max=tokens - 1)
+    keys = at - reach + torch.arange(width, device=mask.device)[None]  # [blocks, width]
     keep = mask[:, 0][:, queries[:, :, None], keys.clamp(0, tokens - 1)[:, None, :]]
     keep = (keep & ((keys >= 0) & (keys < tokens))[None, :, None, :]).expand(
         rows, blocks, block_tokens, width).reshape(rows * blocks, 1, block_tokens, width)
