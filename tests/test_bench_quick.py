@@ -25,3 +25,28 @@ def test_quick_bench_writes_every_section(tmp_path):
         assert "error" not in results["http"][name], results["http"][name]
     assert (tmp_path / "forward.png").stat().st_size > 1000
     assert (tmp_path / "http.png").stat().st_size > 1000
+
+
+def test_the_forward_table_bench_writes_a_table_the_simulator_fits(tmp_path):
+    """bench/forward_table.py at its smallest (torch float32, 1x8 and 1x16, 3 rounds): the
+    table names its fitted statistic (the fastest forward), each cell's fastest is at most its
+    median, and every round records the load, other processes' CPUs and steal. No speed is
+    asserted."""
+    from vllm_srun.tuner.sim_model import fit_table, load_table
+
+    out = tmp_path / "table.json"
+    done = subprocess.run([sys.executable, "-m", "bench.forward_table", "--rounds", "3",
+                           "--repeats", "2", "--max-tokens", "16", "--configs",
+                           "torch-float32", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = load_table(out)
+    assert doc["fitted"] == "min_ms"
+    assert {(c["rows"], c["padded_tokens"], c["threads"]) for c in doc["cells"]} == {
+        (1, 8, 1), (1, 8, 2), (1, 16, 1), (1, 16, 2)}
+    for c in doc["cells"]:
+        assert c["fit_ms"] == c["min_ms"] <= c["p25_ms"] <= c["median_ms"]
+        assert c["rounds"] == 3 and 3 <= c["repeats"] <= 6
+    for key in ("per_round_1min", "others_cpus_per_round", "steal_cpus_per_round"):
+        assert len(doc["load"][key]) == 3 and min(doc["load"][key]) >= 0, key
+    assert set(fit_table(doc)) == {("torch", "float32")}
