@@ -1,7 +1,7 @@
 """The forward table the simulator's forward model is fitted to (``tuner/simulate``): forward ms of
 all-MiniLM-L6-v2 per backend x precision x thread count x rows x padded length, on this host.
 ``python -m bench.forward_table [--rounds 6] [--repeats 3] [--max-tokens 2048] [--out FILE]``
-(one command, several minutes on 2 vCPUs).
+(one command, several minutes on 2 vCPUs); ``--compare A B`` sets two tables side by side.
 
 Configurations: torch float32, torch bfloat16 (the module's weights in bfloat16, as
 ``bench/precision.py`` loads it) and onnxruntime float32, each at 1 and 2 threads on the runtime's
@@ -161,6 +161,36 @@ def load_note(data: dict, cpus: int) -> dict:
                     f"{max(others):.2f} CPUs per round (other tasks share the host)"}
 
 
+def compare(a: dict, b: dict) -> list[str]:
+    """Two tables (``load_table``) side by side: per configuration and count, the spread of
+    ``b / a`` over cells of the fitted statistic, then each table's fit checked on the other
+    (cross-validation): is a difference the host's or the model's?"""
+    def key(c: dict) -> tuple:
+        return c["backend"], c["precision"], c["threads"], c["rows"], c["padded_tokens"]
+
+    in_a = {key(c): c["fit_ms"] for c in a["cells"]}
+    ratios: dict[tuple, list[tuple[float, str]]] = {}
+    for c in b["cells"]:
+        if key(c) in in_a:
+            ratios.setdefault(key(c)[:3], []).append(
+                (c["fit_ms"] / in_a[key(c)], f"{c['rows']}x{c['padded_tokens']}"))
+    out = []
+    for (backend, precision, n), rs in sorted(ratios.items()):
+        values = np.asarray([r for r, _ in rs])
+        worst = max(rs, key=lambda r: abs(np.log(r[0])))
+        out.append(f"{backend}/{precision} {n} thread(s): b/a geometric mean "
+                   f"{np.exp(np.log(values).mean()):.3f}, {values.min():.3f}-{values.max():.3f}"
+                   f", furthest {worst[1]} {worst[0]:.3f} ({len(rs)} cells)")
+    for name, fit_on, other, check in (("a", a, "b", b), ("b", b, "a", a)):
+        for (backend, precision), fit in fit_table(fit_on).items():
+            for label, doc in ((name, fit_on), (other, check)):
+                cell, err = max(errors(fit, doc["cells"]), key=lambda ce: abs(ce[1]))
+                out.append(f"fit on {name} {backend}/{precision}, checked on {label}: worst "
+                           f"{cell['rows']}x{cell['padded_tokens']} at {cell['threads']} "
+                           f"thread(s) {err:+.1%}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.forward_table")
     parser.add_argument("--rounds", type=int, default=6)
@@ -168,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", default="bench/results/forward_table.json")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                        help="compare two tables (cell by cell and fit on one, checked on the "
+                             "other) and measure nothing")
     args = parser.parse_args(argv)
+    if args.compare:
+        print("\n".join(compare(*(load_table(p) for p in args.compare))))
+        return 0
     if args.rounds < 3:
         raise SystemExit("--rounds must be >= 3 (a median and an IQR)")
     if args.repeats < 1:

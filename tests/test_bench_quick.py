@@ -30,8 +30,8 @@ def test_quick_bench_writes_every_section(tmp_path):
 def test_the_forward_table_bench_writes_a_table_the_simulator_fits(tmp_path):
     """bench/forward_table.py at its smallest (torch float32, 1x8 and 1x16, 3 rounds): the
     table names its fitted statistic (the fastest forward), each cell's fastest is at most its
-    median, and every round records the load, other processes' CPUs and steal. No speed is
-    asserted."""
+    median, and every round records the load, other processes' CPUs and steal; ``--compare``
+    finds a table identical to itself. No speed is asserted."""
     from vllm_srun.tuner.sim_model import fit_table, load_table
 
     out = tmp_path / "table.json"
@@ -50,3 +50,11 @@ def test_the_forward_table_bench_writes_a_table_the_simulator_fits(tmp_path):
     for key in ("per_round_1min", "others_cpus_per_round", "steal_cpus_per_round"):
         assert len(doc["load"][key]) == 3 and min(doc["load"][key]) >= 0, key
     assert set(fit_table(doc)) == {("torch", "float32")}
+    same = subprocess.run([sys.executable, "-m", "bench.forward_table", "--compare", str(out),
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert same.returncode == 0, same.stderr[-3000:]
+    lines = same.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines[:2]] == ["torch/float32 1 thread(s)",
+                                                       "torch/float32 2 thread(s)"]
+    assert all("b/a geometric mean 1.000, 1.000-1.000" in ln for ln in lines[:2]), lines
+    assert len(lines) == 6 and all("checked on" in ln for ln in lines[2:]), lines
