@@ -2,7 +2,8 @@
 at ``n`` threads costs on a quiet host, fitted to measurements (``tuner/simulate.py`` runs it).
 
 One backend x precision on the measured host (``ConfigFit``, fitted to
-``bench/results/forward_table.json`` by ``fit_table``)::
+``bench/results/forward_table.json`` by ``fit_table``, on the statistic the table names: each
+cell's fastest forward, the forward's own cost, where load only adds time)::
 
     t(R, L, n) = overhead * (overhead_serial + (1 - overhead_serial) / e(n)) + sync * (n > 1)
                  + work(R, L) * left(n, R * L)
