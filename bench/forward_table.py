@@ -45,7 +45,7 @@ import numpy as np
 from bench.precision import MODEL, Shape, forward, host, load_configs, text_batch
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.threads import ThreadContext
-from vllm_srun.tuner.sim_model import errors, fit_table, load_table
+from vllm_srun.tuner.sim_model import errors, fit_table, load_table, loaded
 
 CONFIGS = ("torch-float32", "torch-bfloat16", "onnxruntime-float32")
 ROWS = (1, 4, 8, 16)
@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(doc['cells'])} cells in {doc['seconds']:.0f} s; {doc['load']['note']}; "
           f"wrote {args.out}")
     table = load_table(args.out)
+    why = loaded(table)
+    print(f"not calibration-grade: measured {why}" if why else "calibration-grade (quiet)")
     for key, fit in fit_table(table).items():  # what tests/test_simulate.py will check
         cell, err = max(errors(fit, table["cells"]), key=lambda ce: abs(ce[1]))
         print(f"simulator fit {'/'.join(key)}: worst cell {cell['rows']}x"
