@@ -45,13 +45,7 @@ from vllm_srun.tuner.simulate import (
 TOLERANCE = 0.15  # issue 27: every cell within 15%
 
 
-CONFIGS = [("torch", "float32"), ("torch", "bfloat16"), pytest.param(
-    "onnxruntime", "float32", marks=pytest.mark.xfail(reason=(
-        "the committed table (medians, 2026-12-03 11:42, 1-minute load 1.5-1.8 on 2 vCPUs): "
-        "worst cell 19% (1x8 and 8x16 at 2 threads), whose rounds are bimodal (1x8: 4.1-4.9 "
-        "or 7.3-10.8 ms), a neighbour's share rather than the form: the same form fits a "
-        "rerun's fastest forwards within 10%; torch's within 14%"),
-        strict=False))]
+CONFIGS = [("torch", "float32"), ("torch", "bfloat16"), ("onnxruntime", "float32")]
 
 
 @pytest.mark.required_in_ci

@@ -62,7 +62,8 @@ QUIET_LOAD_PER_CPU = 1.25
 # than 1-thread ones at small shapes in every round, one measured an hour later at 1.2-1.8
 # had them 1.3-1.6x faster. Tables that record other processes' CPU time per round (from
 # /proc/stat, the bench's own excluded) must also keep it below this many CPUs in every
-# round: a quarter of a CPU on average over a round of ~40 s. A guess, not a sweep.
+# round: a quarter of a CPU on average over a round of ~40 s. A guess, not a sweep (the
+# committed table's rounds ran beside 0.01-0.03 CPUs of others, at a load of 1.2-1.7).
 QUIET_OTHERS_CPUS = 0.25
 
 
