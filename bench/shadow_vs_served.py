@@ -16,8 +16,9 @@ Neighbours: none; a process spinning on one core; the same process spinning 2 s 
 Per round and (neighbour, shape, count), each side's median of ``--reps`` forwards; the ratio
 shadow / served per round, with its median over rounds and a bootstrap 95% interval. A ratio
 near 1 means the shadow's converted time predicts the served cost; below 1, the shadow
-promises a count more than a served forward gets. The last table says whether the count that
-is fastest by the shadows' figures is the count that is fastest served.
+promises a count more than a served forward gets. A shadow whose threads waited for most of
+its time gives no figure (``estimator.MAX_WAITED_SHARE``). The last table says whether the
+count that is fastest by the shadows' figures is the count that is fastest served.
 
     python -m bench.shadow_vs_served [--rounds 8] [--reps 3] [--backend onnxruntime]
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -72,10 +74,12 @@ def _side_by_side(served, shadow: ShadowProcess, batch: TokenBatch, n: int, reps
         served_ms.append(1000 * r.forward_s)
         s = shadow.forward(batch, n)
         wall_ms.append(1000 * s.forward_s)
-        cost_ms.append(served_cost_ms(s.forward_s, s.waited_s, n))
+        cost_ms.append(served_cost_ms(s.forward_s, s.waited_s, n))  # None: no sample
         waited_ms.append(1000 * (s.waited_s or 0.0))
+    kept = [c for c in cost_ms if c is not None]
     return {"served_ms": statistics.median(served_ms), "shadow_wall_ms": statistics.median(
-        wall_ms), "shadow_cost_ms": statistics.median(cost_ms),
+        wall_ms), "shadow_cost_ms": statistics.median(kept) if kept else None,
+        "shadow_no_sample": len(cost_ms) - len(kept),
         "shadow_waited_ms": statistics.median(waited_ms)}
 
 
@@ -122,7 +126,9 @@ def run(model: str, backend_name: str, rounds: int, reps: int, seed: int) -> dic
 
 
 def _ratio(cells: list[dict], key: str) -> str:
-    return median_interval([c[key] / c["served_ms"] for c in cells]).text()
+    """The median over rounds of ``key`` / served time, where the shadow gave a figure."""
+    return median_interval([c[key] / c["served_ms"] for c in cells
+                            if c[key] is not None]).text()
 
 
 def report(doc: dict) -> str:
@@ -137,7 +143,8 @@ def report(doc: dict) -> str:
                 cs = [c for c in doc["cells"] if (c["neighbour"], c["rows"], c["length"],
                                                   c["threads"]) == (name, rows, length, n)]
                 served = statistics.median(c["served_ms"] for c in cs)
-                medians[n] = (served, statistics.median(c["shadow_cost_ms"] for c in cs))
+                costs = [c["shadow_cost_ms"] for c in cs if c["shadow_cost_ms"] is not None]
+                medians[n] = (served, statistics.median(costs) if costs else math.inf)
                 lines.append(f"| {name} | {rows}x{length} | {n} | {served:.1f} | "
                              f"{_ratio(cs, 'shadow_wall_ms')} | {_ratio(cs, 'shadow_cost_ms')} |")
             best.append(f"| {name} | {rows}x{length} | "
