@@ -1,6 +1,6 @@
 """Hardening (issue: bad input, faults and load): fuzzing the HTTP API and the config, the
 API key, a host record on a full disk, and a sustained overload. Long variants are marked
-``slow`` and sized by environment variables (see the README's Testing section).
+``slow`` and sized by environment variables (see docs/testing.md).
 """
 
 from __future__ import annotations
