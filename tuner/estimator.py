@@ -13,8 +13,9 @@ confidence (``estimate``). Samples are what a served forward at that count takes
   served forward by ``served_cost_ms``: its wall time less the time its threads spent
   runnable but not running, per thread (``run_delay.forward_wait_s``). Per thread, because
   the threads of one forward mostly wait at the same moments (a busy CPU holds them all up
-  at the next barrier); where they do not, this leaves some waiting in, so the estimate errs
-  toward fewer threads, the cheap side (a count replaces the configured one only by a margin).
+  at the next barrier). The result is the count's time with its cores free, not under the
+  load a served forward would share: beside a neighbour holding a core, 2-thread shadows
+  read 0.43-0.73x the served time where they gave a figure (``bench/shadow_vs_served.py``).
 
 Contention is an input, not a mode: a neighbour that slows a count slows its recent samples,
 and the estimate follows them.
