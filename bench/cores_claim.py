@@ -55,14 +55,14 @@ def _beside(share: CoreShare, workers: int, forward_s: float, claims: int,
     """(us per pair, contended claims) with ``workers`` neighbours claiming meanwhile."""
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
-    procs = [ctx.Process(target=_claim_forever, args=(str(share.path), stop, forward_s))
+    procs = [ctx.Process(target=_claim_forever, args=(str(share.ledger.path), stop, forward_s))
              for _ in range(workers)]
     for p in procs:
         p.start()
     time.sleep(2.0)  # the neighbours import and start claiming
-    before = share.contended
+    before = share.tally.contended
     us = _per_pair_us(share, 8, 2, claims, repeats)
-    contended = share.contended - before
+    contended = share.tally.contended - before
     stop.set()
     for p in procs:
         p.join(30)

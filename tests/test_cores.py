@@ -16,7 +16,8 @@ import pytest
 from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.engine import FixedThreads
 from vllm_srun.tuner import cadence
-from vllm_srun.tuner.cores import SLOTS, CoreShare, CoreShareError, SharedCores, grant
+from vllm_srun.tuner.core_ledger import SLOTS
+from vllm_srun.tuner.cores import CoreShare, CoreShareError, SharedCores, grant
 from vllm_srun.tuner.siblings import SiblingCount, siblings_learned, starting_counts
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl OFD locks")
@@ -103,12 +104,12 @@ def test_a_worker_killed_holding_a_claim_is_reclaimed(tmp_path):
     try:
         assert ready.wait(60)
         assert share.claim(4, 1) == 1  # alive: its 6 count
-        assert share.reaped == 0 and doomed.pid in [s.pid for s in share.slots()]
+        assert share.tally.reaped == 0 and doomed.pid in [s.pid for s in share.slots()]
         share.release()
         os.kill(doomed.pid, signal.SIGKILL)
         doomed.join(30)
         assert share.claim(4, 1) == 4
-        assert share.reaped == 1 and [s.pid for s in share.slots()] == [os.getpid()]
+        assert share.tally.reaped == 1 and [s.pid for s in share.slots()] == [os.getpid()]
     finally:
         share.close()
         doomed.kill()
