@@ -19,14 +19,15 @@ from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.ranges import Phase, RangeLearning
 from vllm_srun.tuner.report import (
     DECISION_STATISTIC,
+    DecisionRule,
+    RecordState,
     ReportInput,
     build,
     document,
     labelled,
     off_report,
-    table,
-    tables,
 )
+from vllm_srun.tuner.report_view import table, tables
 
 SCOPE = Scope("test-host", "rev1", "onnxruntime")
 S = TunerSettings()
@@ -44,8 +45,8 @@ def report(mode=AdaptiveMode.LEARN, learned=None, serving=False, voucher=Voucher
         Phase.VERIFYING if mode is AdaptiveMode.SERVE and learned != 1 else Phase.LEARNED
     r = RangeLearning(phase, samples=samples if samples is not None else {1: STEADY, 2: FAST},
                       learned=learned)
-    return build(ReportInput(mode, 1, (1, 2), SCOPE, {32: r}, voucher, drift, locked,
-                             margin=S.margin, min_samples=S.min_samples,
+    return build(ReportInput(mode, 1, (1, 2), {32: r}, RecordState(SCOPE, voucher, drift, locked),
+                             DecisionRule(S.margin, S.min_samples),
                              verified_passes={32: S.window if serving else 0}))
 
 

@@ -28,7 +28,8 @@ from vllm_srun.server.worker.assembly import scope_for
 from vllm_srun.tuner.adaptive import output_bits
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import RangeState
-from vllm_srun.tuner.report import build, from_tuner, table
+from vllm_srun.tuner.report import build, from_tuner
+from vllm_srun.tuner.report_view import table
 from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
 M = resolve(L6)

@@ -1,6 +1,6 @@
 """The learned-thread report (R4.10): one plain-data shape for ``GET /v1/threads`` and
 ``vllm-srun threads report`` (``document``: the same JSON from the live server and from the
-offline record), a text table and a plot.
+offline record); ``report_view.py`` shows it as text tables and a plot.
 
 A document is ``{"object": "threads.report", "source": "server" | "record", "reports": [...]}``
 with one report per worker (live: per replica, named by ``deployment`` and ``replica``) or per
@@ -30,24 +30,38 @@ DECISION_STATISTIC = "median_ms"
 
 
 @dataclass(frozen=True)
+class RecordState:
+    """What the host record and the exactness ledger say for the scope."""
+
+    scope: Scope
+    voucher: Voucher
+    drift: DriftEvent | None = None  # the drift that retired learning, if any
+    locked_reason: str | None = None
+    path: str | None = None
+    error: str | None = None  # why it was not written (learning kept in memory)
+
+
+@dataclass(frozen=True)
+class DecisionRule:
+    """``TunerSettings.margin`` and ``min_samples``, as the decision used them."""
+
+    margin: float | None = None
+    min_samples: int | None = None
+
+
+@dataclass(frozen=True)
 class ReportInput:
     mode: AdaptiveMode
     configured: int
     counts: tuple[int, ...]
-    scope: Scope
     ranges: dict[int, RangeLearning]
-    voucher: Voucher
-    drift: DriftEvent | None
-    locked_reason: str | None = None
-    record_path: str | None = None
-    record_error: str | None = None
-    shadow_error: str | None = None
-    uncovered: int = 0  # forwards kept at the configured count: shape not vouched for
-    learning: dict[str, object] = field(default_factory=dict)  # what timed and checked what
-    margin: float | None = None  # TunerSettings.margin and min_samples the decision used
-    min_samples: int | None = None
+    record: RecordState
+    decision: DecisionRule = DecisionRule()
     model: str | None = None
     verified_passes: dict[int, int] = field(default_factory=dict)  # the ledger's, per range
+    uncovered: int = 0  # forwards kept at the configured count: shape not vouched for
+    learning: dict[str, object] = field(default_factory=dict)  # what timed and checked what
+    shadow_error: str | None = None
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -61,10 +75,12 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
         slowdown = {str(n): round(c.slowdown(n), 3) for n in sorted(c._slowdowns)}
         paid = t.side.paid
         served_s = paid.served_s
-    return ReportInput(t.mode, t.configured, t.counts, t.sync.scope, ranges, t.ledger.voucher,
-                       t.ledger.retired, t.ledger.locked_reason, record_path, t.sync.error,
-                       t.side.error, t.tally.uncovered, margin=t.settings.margin,
-                       min_samples=t.settings.min_samples, verified_passes=passes, learning={
+    record = RecordState(t.sync.scope, t.ledger.voucher, t.ledger.retired,
+                         t.ledger.locked_reason, record_path, t.sync.error)
+    return ReportInput(t.mode, t.configured, t.counts, ranges, record,
+                       DecisionRule(t.settings.margin, t.settings.min_samples),
+                       verified_passes=passes, uncovered=t.tally.uncovered,
+                       shadow_error=t.side.error, learning={
                            "shadow_comparisons": t.ledger.comparisons, "audits": t.ledger.audits,
                            "shadows_overlapped_not_timed": t.tally.discarded,
                            "shadows_preempted_not_timed": t.tally.preempted,
@@ -100,12 +116,14 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:
+    rec = inp.record
     no_voucher = inp.mode is AdaptiveMode.SERVE and r.learned is not None and \
-        not inp.voucher.covers_counts(r.learned, inp.configured)
-    return report_state(r, inp.locked_reason is not None, inp.drift is not None, no_voucher)
+        not rec.voucher.covers_counts(r.learned, inp.configured)
+    return report_state(r, rec.locked_reason is not None, rec.drift is not None, no_voucher)
 
 
 def build(inp: ReportInput) -> dict:
+    rec = inp.record
     ranges = []
     for lo in sorted(inp.ranges):
         r = inp.ranges[lo]
@@ -117,7 +135,7 @@ def build(inp: ReportInput) -> dict:
                  "interval_ms": [round(e.low_ms, 3), round(e.high_ms, 3)],
                  "p90_ms": round(s.p90_ms, 3), "samples": s.samples} if s else
                 {"median_ms": None, "interval_ms": None, "p90_ms": None, "samples": 0})
-        served = inp.configured if inp.drift is not None or inp.locked_reason else \
+        served = inp.configured if rec.drift is not None or rec.locked_reason else \
             wanted_count(r, inp.configured)
         up = speedup(r.samples, inp.configured, r.learned) if r.learned else None
         ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
@@ -129,58 +147,58 @@ def build(inp: ReportInput) -> dict:
                                    "vouched)" if r.explore_served else
                                    "shadows, and its served forwards at the count served"})
     notes = []
-    if inp.mode is AdaptiveMode.SERVE and not inp.voucher.vouches:
-        bad = inp.voucher.mismatches + inp.voucher.shape_mismatches
+    if inp.mode is AdaptiveMode.SERVE and not rec.voucher.vouches:
+        bad = rec.voucher.mismatches + rec.voucher.shape_mismatches
         notes.append("mode 2 acts as mode 1: the host record has no voucher of bit-identity "
                      "across counts for this host, revision and backend (shadows verify the "
                      "shapes traffic brings, one by one; `vllm-srun threads verify` sweeps "
                      "them up front)" + (f"; {bad} mismatches recorded" if bad else "")
-                     + (f"; {inp.voucher.legacy} sweep(s) from before sweeps recorded what they "
-                        "covered vouch for nothing" if inp.voucher.legacy else ""))
+                     + (f"; {rec.voucher.legacy} sweep(s) from before sweeps recorded what they "
+                        "covered vouch for nothing" if rec.voucher.legacy else ""))
     if inp.mode is AdaptiveMode.SERVE and inp.uncovered:
         notes.append(f"{inp.uncovered} forwards ran at the configured count where another was "
                      "due: no sweep covered their shape and count, nor was that shape verified "
                      "yet (a shadow verifies it)")
-    if inp.drift is not None and inp.scope.backend == "torch":
+    if rec.drift is not None and rec.scope.backend == "torch":
         notes.append(CBWR_REMEDY)
-    if inp.locked_reason:
-        notes.append(inp.locked_reason)
+    if rec.locked_reason:
+        notes.append(rec.locked_reason)
     if inp.shadow_error:
         notes.append(inp.shadow_error)
-    if inp.record_error:
-        notes.append(f"host record not written, learning kept in memory: {inp.record_error}")
+    if rec.error:
+        notes.append(f"host record not written, learning kept in memory: {rec.error}")
     return advised({
         "deployment": None, "replica": None, "model": inp.model,
         "mode": int(inp.mode), "configured_threads": inp.configured,
         "allowed_counts": list(inp.counts),
-        "scope": {"fingerprint": inp.scope.fingerprint, "revision": inp.scope.revision,
-                  "backend": inp.scope.backend, "precision": inp.scope.precision},
-        "record": inp.record_path,
-        "voucher": {"comparisons": inp.voucher.comparisons,
-                    "mismatches": inp.voucher.mismatches, "swept": inp.voucher.swept,
-                    "vouches": inp.voucher.vouches,
+        "scope": {"fingerprint": rec.scope.fingerprint, "revision": rec.scope.revision,
+                  "backend": rec.scope.backend, "precision": rec.scope.precision},
+        "record": rec.path,
+        "voucher": {"comparisons": rec.voucher.comparisons,
+                    "mismatches": rec.voucher.mismatches, "swept": rec.voucher.swept,
+                    "vouches": rec.voucher.vouches,
                     "coverage": [{**asdict(c), "counts": list(c.counts)}
-                                 for c in inp.voucher.coverages],
+                                 for c in rec.voucher.coverages],
                     # count -> shapes verified one by one against the configured count
                     "shapes_verified": {str(n): k for n, k in
-                                        inp.voucher.shapes_verified(inp.configured).items()},
-                    "shape_mismatches": inp.voucher.shape_mismatches},
+                                        rec.voucher.shapes_verified(inp.configured).items()},
+                    "shape_mismatches": rec.voucher.shape_mismatches},
         "uncovered_forwards": inp.uncovered,
         "learning": inp.learning,
-        "drift": None if inp.drift is None else {
-            "worker": inp.drift.worker or None,
-            "seen_at": _utc(inp.drift.created_at) if inp.drift.created_at else None,
-            "rows": inp.drift.rows or None,
-            "padded_length": (inp.drift.padded_tokens // inp.drift.rows
-                              if inp.drift.rows else None),
-            "padded_tokens": inp.drift.padded_tokens,
-            "served_threads": inp.drift.served_threads,
-            "shadow_threads": inp.drift.shadow_threads,
-            "first_index": list(inp.drift.first_index),
-            "served_value": inp.drift.served_value, "shadow_value": inp.drift.shadow_value},
-        "locked_reason": inp.locked_reason,
-        "decision_statistic": DECISION_STATISTIC, "decision_margin": inp.margin,
-        "decision_min_samples": inp.min_samples,
+        "drift": None if rec.drift is None else {
+            "worker": rec.drift.worker or None,
+            "seen_at": _utc(rec.drift.created_at) if rec.drift.created_at else None,
+            "rows": rec.drift.rows or None,
+            "padded_length": (rec.drift.padded_tokens // rec.drift.rows
+                              if rec.drift.rows else None),
+            "padded_tokens": rec.drift.padded_tokens,
+            "served_threads": rec.drift.served_threads,
+            "shadow_threads": rec.drift.shadow_threads,
+            "first_index": list(rec.drift.first_index),
+            "served_value": rec.drift.served_value, "shadow_value": rec.drift.shadow_value},
+        "locked_reason": rec.locked_reason,
+        "decision_statistic": DECISION_STATISTIC, "decision_margin": inp.decision.margin,
+        "decision_min_samples": inp.decision.min_samples,
         "notes": notes,
         "ranges": ranges,
     })
@@ -225,106 +243,5 @@ def labelled(report: dict, deployment: str | None, replica: str | None) -> dict:
     return {**report, "deployment": deployment, "replica": replica}
 
 
-def tables(doc: dict) -> str:
-    """A document as text: each report's table, headed by what it is."""
-    if not doc["reports"]:
-        return "no worker reports adaptive threads\n"
-    out = []
-    for rep in doc["reports"]:
-        name = [f"{k} {rep[k]}" for k in ("deployment", "replica", "model") if rep.get(k)]
-        out.append((", ".join(name) + "\n" if name else "") + table(rep))
-    return "\n".join(out)
-
-
-def table(report: dict) -> str:
-    counts = [str(n) for n in report["allowed_counts"]]
-    stat = report["decision_statistic"].removesuffix("_ms")
-    head = ["range", "served", *[f"{n} thr ms ({stat} [80% interval]/p90/n)" for n in counts],
-            "learned",
-            "speed-up", "range state"]
-    rows = [head]
-    for r in report["ranges"]:
-        cells = [r["size_range"], str(r["served_threads"])]
-        for n in counts:
-            c = r["counts"][n]
-            low, high = c.get("interval_ms") or (c["median_ms"], c["median_ms"])
-            cells.append("-" if not c["samples"] else
-                         f"{c[report['decision_statistic']]:.2f} [{low:.2f}-{high:.2f}]/"
-                         f"{c['p90_ms']:.2f}/{c['samples']}")
-        cells += [str(r["learned_threads"] or "-"),
-                  f"{r['speedup']:.2f}x" if r["speedup"] else "-", r["state"]]
-        rows.append(cells)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    s = report["scope"]
-    top = [f"state: {report['state']} ({report['state_reason']})",
-           f"recommendation: {report['recommendation']}"]
-    if s is not None:
-        top.append(f"scope: host {s['fingerprint']}  revision {s['revision']}  backend "
-                   f"{s['backend']}  precision {s.get('precision', 'float32')}")
-    top += [f"mode {report['mode']}, configured {report['configured_threads']} threads, "
-           f"allowed {report['allowed_counts']}; voucher: "
-           f"{'yes' if report['voucher']['vouches'] else 'no'} "
-           f"({report['voucher']['comparisons']} comparisons, "
-           f"{report['voucher']['mismatches']} mismatches); counts compared by {stat} of "
-           f"their samples"]
-    for c in report["voucher"].get("coverage", []):
-        top.append(f"  vouched: counts {c['counts']}, {coverage_text(c)}")
-    if shapes := report["voucher"].get("shapes_verified"):
-        top.append("  shapes verified one by one against the configured count: " + ", ".join(
-            f"{k} at {n} threads" for n, k in shapes.items()))
-    if report["drift"]:
-        d = report["drift"]
-        shape = (f"{d['rows']} rows x {d['padded_length']} = " if d.get("rows") else "")
-        top.append(f"RETIRED BY DRIFT seen by {d.get('worker') or 'a worker'} at "
-                   f"{d.get('seen_at') or '?'}: {shape}{d['padded_tokens']} padded tokens, "
-                   f"served at {d['served_threads']} vs shadow at {d['shadow_threads']} threads, "
-                   f"first difference at {d['first_index']}: {d['served_value']!r} vs "
-                   f"{d['shadow_value']!r}")
-    lines = lines if report["ranges"] else []
-    return "\n".join(top + lines + [f"note: {n}" for n in report["notes"]]) + "\n"
-
-
-def coverage_text(c: dict) -> str:
-    """What one sweep covered, in words (the report and ``threads verify``)."""
-    text = (f"1-{c['max_rows']} rows x padded length {c['min_len']}-{c['max_len']}, several "
-            f"rows up to {c['max_padded']} padded tokens: ")
-    if c["sampled"] == c["above"]:
-        return text + f"every shape ({c['shapes']})"
-    return text + (f"every shape up to {c['exhaustive_padded']} padded tokens "
-                   f"({c['shapes'] - c['sampled']}), a stratified sample of {c['sampled']} of "
-                   f"the {c['above']} above")
-
-
 def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-def plot(reports: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(reports), 1, figsize=(8, 3.5 * len(reports)), squeeze=False)
-    for ax, rep in zip(axes[:, 0], reports, strict=True):
-        labels = [r["size_range"] for r in rep["ranges"]]
-        stat = rep["decision_statistic"]
-        for n in rep["allowed_counts"]:
-            ys = [r["counts"][str(n)][stat] for r in rep["ranges"]]
-            ax.plot(labels, [y if y is not None else float("nan") for y in ys], marker="o",
-                    label=f"{n} threads")
-        for i, r in enumerate(rep["ranges"]):
-            if r["learned_threads"]:
-                ax.annotate(f"→{r['learned_threads']}", (i, 0), xycoords=("data", "axes fraction"),
-                            ha="center", va="bottom", fontsize=8)
-        ax.set_yscale("log")
-        ax.set_xlabel("input size range (padded tokens)")
-        ax.set_ylabel(f"forward ms ({stat.removesuffix('_ms')}, the decision's statistic)")
-        s = rep["scope"] or {"backend": "-", "revision": "-", "fingerprint": "-"}
-        ax.set_title(f"{s['backend']} {s.get('precision', 'float32')} rev {s['revision']} "
-                     f"host {s['fingerprint'][:8]}: {rep['state']}", fontsize=9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -122,7 +122,7 @@ def _verify(args: argparse.Namespace) -> int:
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
     from vllm_srun.server.worker.assembly import scope_for
     from vllm_srun.tuner.modes import allowed_counts, max_threads
-    from vllm_srun.tuner.report import coverage_text
+    from vllm_srun.tuner.report_view import coverage_text
     from vllm_srun.tuner.verify import ShapeBounds, order_shapes, plan_sweep, unverified
 
     budget = cpu_budget()
@@ -256,7 +256,8 @@ def _run_sweep(args, backend, record, scope, configured, counts, todo):
 
 
 def _report(args: argparse.Namespace) -> int:
-    from vllm_srun.tuner.report import document, plot, tables
+    from vllm_srun.tuner.report import document
+    from vllm_srun.tuner.report_view import plot, tables
 
     record = _open(args)
     doc = document([_scope_report(record, scope) for scope in record.scopes()
@@ -280,7 +281,7 @@ def _scope_report(record, scope) -> dict:
     from vllm_srun.tuner.adaptive import TunerSettings
     from vllm_srun.tuner.modes import AdaptiveMode
     from vllm_srun.tuner.ranges import Phase, RangeLearning
-    from vllm_srun.tuner.report import ReportInput, build
+    from vllm_srun.tuner.report import DecisionRule, RecordState, ReportInput, build
 
     settings = TunerSettings()
     worker = record.worker(scope) or {"mode": 0, "configured": 1, "counts": [1]}
@@ -296,9 +297,9 @@ def _scope_report(record, scope) -> dict:
             else Phase.SERVING if (passes[lo] >= settings.window
                                    and voucher.covers_counts(r.learned, configured)) \
             else Phase.VERIFYING
-    inp = ReportInput(mode, configured, tuple(worker["counts"]), scope, ranges, voucher,
-                      record.drift(scope), record_path=str(record.path),
-                      margin=settings.margin, min_samples=settings.min_samples,
+    state = RecordState(scope, voucher, record.drift(scope), path=str(record.path))
+    inp = ReportInput(mode, configured, tuple(worker["counts"]), ranges, state,
+                      DecisionRule(settings.margin, settings.min_samples),
                       model=worker.get("model"), verified_passes=passes)
     rep = build(inp)
     rep["notes"].append("from the record: every stored sample of every worker of this scope "
