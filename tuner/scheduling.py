@@ -1,9 +1,10 @@
 """When an idle-class shadow may start (R4.5 amended: shadows never delay served traffic).
 
 ``ShadowGate`` keeps what the served path tells it (each served forward's start and end:
-the idle gaps between them, the share of the last ``busy_window_s`` they took, the count the
-last one ran at) and what shadows that shared the served forwards' cores went through, and
-picks the next due shadow that may start now (``next_shadow``).
+the idle gaps between them, the share of the last ``busy_window_s`` they took:
+``BusyWindow``, the count the last one ran at) and what shadows that shared the served
+forwards' cores went through (``SharingBackoff``), and picks the next due shadow that may
+start now (``next_shadow``).
 
 How it works: idle class is not free where a shadow shares cores with served work (its count
 plus the served one over the budget): here a 2-thread idle-class shadow beside 1-thread
@@ -56,6 +57,69 @@ class ShadowJob:
 Due = tuple[int, ShadowJob, int, bool]  # range, job, count, it shares the served cores
 
 
+class BusyWindow:
+    """The seconds served forwards took in the last ``window_s``."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        # (end, seconds) of the served forwards that ended in the last ``window_s``
+        self._log: deque[tuple[float, float]] = deque()
+        self._sum = 0.0  # ... their seconds
+
+    def add(self, end: float, forward_s: float) -> None:
+        self._log.append((end, forward_s))
+        self._sum += forward_s
+
+    def share(self, now: float) -> float:
+        """The share of the last ``window_s`` they took (and it forgets what left it)."""
+        since, kept = now - self.window_s, self._log
+        while kept and kept[0][0] <= since:
+            self._sum -= kept.popleft()[1]
+        if not kept:
+            self._sum = 0.0  # no rounding carried over
+            return 0.0
+        end, first = kept[0]  # the oldest may have begun before the window
+        return (self._sum - max(0.0, first - (end - since))) / self.window_s
+
+
+class SharingBackoff:
+    """What shadows that shared the served forwards' cores went through: the idle time the
+    next one waits for (``quiet``), and a backoff after several that other tasks held up."""
+
+    def __init__(self, settings: TunerSettings, now: float) -> None:
+        self.settings = settings
+        # idle time a shadow that shares the served forwards' cores waits for before it
+        # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
+        self._quiet_s = 0.0
+        self._quiet_since = now  # ... set then; it halves each ``quiet_halflife_s``
+        self._held_run = 0  # ... those in a row that other tasks' CPUs held up; the next
+        self.after_s = 0.0  # starts only from then (``held_streak``)
+
+    def quiet(self, now: float) -> float:
+        """The idle time a core-sharing shadow waits for now (``quiet_s``, decayed)."""
+        return self._quiet_s * 0.5 ** (max(0.0, now - self._quiet_since) /
+                                       self.settings.quiet_halflife_s)
+
+    def after(self, result: ForwardResult, clean: bool, held_up: bool, now: float) -> None:
+        """A shadow that shared cores with served forwards ended: the idle time the next
+        waits for halves if it was clean, else doubles; after several in a row that other
+        tasks held up (``held_streak``; one alone where a CPU-bound task held a CPU for most
+        of its length: ``held_hog``), the next waits a backoff."""
+        s = self.settings
+        quiet_s = self.quiet(now)
+        self._quiet_s = quiet_s / 2 if clean else min(s.quiet_max_s,
+                                                     max(2 * quiet_s, QUIET_FIRST_S))
+        self._quiet_since = now
+        if held_up:  # other tasks held its CPUs: back off in time
+            hog = (result.waited_s or 0.0) >= s.held_hog * result.forward_s
+            self._held_run = max(self._held_run + 1, s.held_streak if hog else 0)
+            if (more := self._held_run - s.held_streak) >= 0:
+                self.after_s = now + min(s.held_backoff_max_s,
+                                         BACKOFF_FIRST_S * 2 ** min(more, 16))
+        elif clean:
+            self._held_run = 0
+
+
 class ShadowGate:
     def __init__(self, settings: TunerSettings, configured: int, top: int,
                  clock: Callable[[], float]) -> None:
@@ -63,9 +127,7 @@ class ShadowGate:
         self.idle_since = clock()  # when the last served forward ended
         self.gaps: deque[float] = deque(maxlen=GAPS_KEPT)  # idle gaps between served ones
         self.last_served = configured  # the count the last served forward ran at
-        # (end, seconds) of the served forwards that ended in the last ``busy_window_s``
-        self._served_log: deque[tuple[float, float]] = deque()
-        self._served_sum = 0.0  # ... their seconds
+        self.busy = BusyWindow(settings.busy_window_s)
         # the shadow loop waits for a gap that no served forward's end brings, only time
         # (all that is due waits for a gap, the busy share is over ``busy_max``): a served
         # forward that ends wakes it only once that share is under, or at ``floor_due``
@@ -76,12 +138,7 @@ class ShadowGate:
         # next poll (a shadow that started 30 ms into 35-ms gaps was cut into, and each one
         # cut into doubled the idle time the next waited for, past the gaps)
         self.sharing_at = float("inf")
-        # idle time a shadow that shares the served forwards' cores waits for before it
-        # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
-        self._quiet_s = 0.0
-        self._quiet_since = clock()  # ... set then; it halves each ``quiet_halflife_s``
-        self._held_run = 0  # ... those in a row that other tasks' CPUs held up; the next
-        self._sharing_after = 0.0  # starts only from then (``held_streak``)
+        self.backoff = SharingBackoff(settings, clock())
         self._last_audit = -1e9  # when the last audit of a range serving a learned count ran
 
     # -- what the served path tells it ----------------------------------------------------
@@ -97,8 +154,7 @@ class ShadowGate:
             self.idle_since = now
         if result is not None:
             self.last_served = result.num_threads
-            self._served_log.append((now, result.forward_s))
-            self._served_sum += result.forward_s
+            self.busy.add(now, result.forward_s)
         busy = self.busy_share(now)  # (and it forgets what left the window)
         return not self.waiting_gap or now >= self.floor_due or busy <= self.settings.busy_max
 
@@ -107,15 +163,7 @@ class ShadowGate:
         ``busy_max`` requests queue, and any time a shadow takes from them comes back
         amplified in their latency (a 1-thread worker at 60% of capacity: mode 1's p99 went
         1.7x with shadows that fitted the gaps)."""
-        since, kept = now - self.settings.busy_window_s, self._served_log
-        while kept and kept[0][0] <= since:
-            self._served_sum -= kept.popleft()[1]
-        if not kept:
-            self._served_sum = 0.0  # no rounding carried over
-            return 0.0
-        end, first = kept[0]  # the oldest may have begun before the window
-        return (self._served_sum - max(0.0, first - (end - since))) / \
-            self.settings.busy_window_s
+        return self.busy.share(now)
 
     def thaw_hold_s(self, gated_shadow_running: bool, now: float) -> float:
         """How long a frozen shadow side stays frozen after the last served forward that
@@ -135,28 +183,12 @@ class ShadowGate:
     # -- what shadows went through ---------------------------------------------------------
     def quiet(self, now: float) -> float:
         """The idle time a core-sharing shadow waits for now (``quiet_s``, decayed)."""
-        return self._quiet_s * 0.5 ** (max(0.0, now - self._quiet_since) /
-                                       self.settings.quiet_halflife_s)
+        return self.backoff.quiet(now)
 
     def after_sharing(self, result: ForwardResult, clean: bool, held_up: bool,
                       now: float) -> None:
-        """A shadow that shared cores with served forwards ended: the idle time the next
-        waits for halves if it was clean, else doubles; after several in a row that other
-        tasks held up (``held_streak``; one alone where a CPU-bound task held a CPU for most
-        of its length: ``held_hog``), the next waits a backoff."""
-        s = self.settings
-        quiet_s = self.quiet(now)
-        self._quiet_s = quiet_s / 2 if clean else min(s.quiet_max_s,
-                                                     max(2 * quiet_s, QUIET_FIRST_S))
-        self._quiet_since = now
-        if held_up:  # other tasks held its CPUs: back off in time
-            hog = (result.waited_s or 0.0) >= s.held_hog * result.forward_s
-            self._held_run = max(self._held_run + 1, s.held_streak if hog else 0)
-            if (more := self._held_run - s.held_streak) >= 0:
-                self._sharing_after = now + min(s.held_backoff_max_s,
-                                                BACKOFF_FIRST_S * 2 ** min(more, 16))
-        elif clean:
-            self._held_run = 0
+        """A shadow that shared cores with served forwards ended (``SharingBackoff.after``)."""
+        self.backoff.after(result, clean, held_up, now)
 
     def may_share(self, now: float, need_s: float | None) -> bool:
         """A shadow that shares the served forwards' cores and is no due work (mode 2's idle
@@ -166,7 +198,7 @@ class ShadowGate:
         not cut in."""
         idle_s = now - self.idle_since
         return (self.busy_share(now) <= self.settings.busy_max and idle_s >= self.quiet(now)
-                and now >= self._sharing_after
+                and now >= self.backoff.after_s
                 and (need_s is None or likely_uninterrupted(self.gaps, idle_s, need_s)))
 
     # -- the choice --------------------------------------------------------------------------
@@ -211,12 +243,12 @@ class ShadowGate:
                 known = r.samples.get(count) if r is not None else None
                 need_s = typical(known) / 1000 if known else \
                     job.served_s * job.served_threads / count
-                if quiet and now >= self._sharing_after and \
+                if quiet and now >= self.backoff.after_s and \
                         likely_uninterrupted(self.gaps, idle_s, need_s):
                     if audit:
                         self._last_audit = now
                     return lo, job, count, True
                 if calm:  # the shadow loop wakes when the idle time it waits for is reached
                     self.sharing_at = min(self.sharing_at, max(self.idle_since + quiet_s,
-                                                               self._sharing_after))
+                                                               self.backoff.after_s))
         return anytime
