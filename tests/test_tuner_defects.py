@@ -178,7 +178,7 @@ def contention_run(caplog, held: list[tuple[float, float]], until_s: float):
     steps = [(0.0, 0.0), *held]
 
     def free_s() -> tuple[float, float]:  # now, and the seconds cores were left free
-        now, total = host.now_s, 0.0
+        now, total = host.clock.now_s, 0.0
         for (start, cores), (end, _) in zip(steps, [*steps[1:], (float("inf"), 0.0)],
                                             strict=True):
             total += (2 - cores) * max(0.0, min(now, end) - start)

@@ -69,14 +69,14 @@ class ShadowLane:
 
     def shadow_forward(self, batch: TokenBatch, n: int) -> ForwardResult:
         """Called on the lane's thread by the tuner: waits for the virtual clock."""
-        fwd = self.host.start_forward(self.worker, batch, n, shadow=True)
+        fwd = self.host.clock.start_forward(self.worker, batch, n, shadow=True)
         self.in_flight = fwd
         self._back.release()
         self._go.acquire()
         self.in_flight = None
         if self._stop:
             raise Stop
-        wall_s = self.host.now_s - fwd.start_s
+        wall_s = self.host.clock.now_s - fwd.start_s
         return ForwardResult(answer(batch), n, n, wall_s, fwd.waited_s)
 
     def pause(self, frozen: bool) -> bool:

@@ -4,6 +4,7 @@ host, its noise, and what a run shows."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,3 +89,15 @@ def answer(batch: TokenBatch) -> np.ndarray:
     return np.full((batch.rows, 4), float(batch.input_ids.shape[1]), dtype=np.float32)
 
 
+
+
+@dataclass
+class SimWorker:
+    """A simulated worker's serving side (mutable: the event loop moves it on)."""
+
+    queue: deque[tuple[int, Arrival]] = field(default_factory=deque)  # (id, request) waiting
+    serving: InFlight | None = None  # its served forward in flight
+    # size range -> the count it served there last (forwards served to time a count
+    # aside); a range not served yet: the configured (or fixed) count
+    count_now: dict[int, int] = field(default_factory=dict)
+    next_poll: float = math.inf  # when its shadow loop next wakes

@@ -1,0 +1,83 @@
+"""The simulated host's cores on its virtual clock (``tuner/sim_host.py``): every forward in
+flight (served and shadow) with the work it has left, the rate each progresses at, and the
+host-wide slowness.
+
+How it works: work is in quiet-host milliseconds (``ConfigFit.quiet_ms`` times a per-forward
+lognormal noise). Between events every forward progresses at the rate ``cores_share`` gives
+it for the threads that want the cores now, divided by a host-wide slowness factor (a
+log-Ornstein-Uhlenbeck process: the correlated part of the noise).
+
+Invariant: ``now_s`` only moves in ``advance``, which every forward's progress follows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from vllm_srun.runtime.types import TokenBatch
+from vllm_srun.tuner.sim_model import ConfigFit, cores_share
+from vllm_srun.tuner.sim_types import InFlight, Neighbour, Noise
+
+
+class CoreClock:
+    """``cores`` cores running ``fit``'s forwards beside ``neighbours``, for ``workers``
+    workers; ``rng`` draws the noise (shared with the host: one stream, one run)."""
+
+    def __init__(self, fit: ConfigFit, cores: int, neighbours: Sequence[Neighbour],
+                 noise: Noise, rng: np.random.Generator, workers: int) -> None:
+        self.fit, self.cores, self.neighbours = fit, cores, tuple(neighbours)
+        self.noise, self.rng = noise, rng
+        self.now_s = 0.0
+        self._log_host = 0.0  # the host-wide factor, log
+        self.forwards: list[InFlight] = []
+        self.free_s = [0.0] * workers  # CPU seconds other tasks left each worker so far
+
+    def start_forward(self, w: int, batch: TokenBatch, n: int, shadow: bool) -> InFlight:
+        ms = self.fit.quiet_ms(batch.rows, int(batch.input_ids.shape[1]), n)
+        ms *= float(np.exp(self.rng.normal(0, self.noise.forward)))
+        fwd = InFlight(w, n, ms, self.now_s, shadow, batch)
+        self.forwards.append(fwd)
+        return fwd
+
+    def neighbour_threads(self, at_s: float) -> float:
+        return sum(n.cores for n in self.neighbours if n.start_s <= at_s < n.end_s)
+
+    def rates(self, frozen: Callable[[int], bool]) -> tuple[list[float], float, float]:
+        """Each forward's rate (a worker's shadow side ``frozen`` gets none), the share a
+        shadow gets, and the share served threads and the neighbour get."""
+        served = sum(f.threads for f in self.forwards if not f.shadow)
+        neighbour = self.neighbour_threads(self.now_s)
+        shadows = sum(f.threads for f in self.forwards if f.shadow and not frozen(f.worker))
+        share = cores_share(self.cores, served + neighbour, shadows)
+        slow = math.exp(self._log_host)
+        rates = [0.0 if f.shadow and frozen(f.worker) else
+                 (share.shadow if f.shadow else share.served) / slow for f in self.forwards]
+        return rates, share.shadow, min(1.0, self.cores / max(served + neighbour, 1e-9))
+
+    def advance(self, to_s: float, rates: list[float], q_shadow: float, q: float) -> float:
+        """Move the clock to ``to_s``, every forward on at its rate; returns the seconds
+        of it the served threads of all workers passed the cores."""
+        dt = to_s - self.now_s
+        if dt <= 0:
+            return 0.0
+        neighbour = self.neighbour_threads(self.now_s) * q
+        per_worker = [0.0] * len(self.free_s)
+        for f, r in zip(self.forwards, rates, strict=True):
+            f.left_ms -= r * dt * 1000
+            if f.shadow and r > 0:
+                f.waited_s += f.threads * (1 - q_shadow) * dt
+            elif not f.shadow:
+                per_worker[f.worker] += f.threads * q
+        total = sum(per_worker)
+        over_s = dt if sum(f.threads for f in self.forwards if not f.shadow) > self.cores \
+            else 0.0
+        for w in range(len(self.free_s)):
+            self.free_s[w] += dt * max(0.0, self.cores - neighbour - (total - per_worker[w]))
+        decay = math.exp(-dt / self.noise.host_tau_s)
+        self._log_host = self._log_host * decay + self.noise.host * math.sqrt(
+            1 - decay * decay) * float(self.rng.normal())
+        self.now_s = to_s
+        return over_s
