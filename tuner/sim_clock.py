@@ -54,7 +54,8 @@ class CoreClock:
         share = cores_share(self.cores, served + neighbour, shadows)
         slow = math.exp(self._log_host)
         rates = [0.0 if f.shadow and frozen(f.worker) else
-                 (share.shadow if f.shadow else share.served) / slow for f in self.forwards]
+                 (share.shadow if f.shadow else share.rate(f.threads)) / slow
+                 for f in self.forwards]
         return rates, share.shadow, min(1.0, self.cores / max(served + neighbour, 1e-9))
 
     def advance(self, to_s: float, rates: list[float], q_shadow: float, q: float) -> float:

@@ -25,9 +25,11 @@ team's threads gain less each, as memory bandwidth and barriers bind) and each t
 second adds ``sync_growth * overhead``.
 
 Cores are shared (``cores_share``): normal-priority threads (served forwards, a neighbour) run
-at ``cores / demand`` of a core each when they ask for more than the host has; idle-class
-shadows get only the cores those leave, and slow the served forwards beside them through the
-caches and memory they share (``SHADOW_INTERFERENCE``).
+at ``cores / demand`` of a core each when they ask for more than the host has, on average; a
+forward of several threads meets at barriers, so it runs at the pace of its slowest thread,
+the one on a core shared with the most others: ``1 / ceil(demand / cores)`` (``Shares.team``).
+Idle-class shadows get only the cores those leave, and slow the served forwards beside them
+through the caches and memory they share (``SHADOW_INTERFERENCE``).
 """
 
 from __future__ import annotations
@@ -255,20 +257,32 @@ def errors(fit: ConfigFit, cells: Iterable[dict]) -> list[tuple[dict, float]]:
 
 @dataclass(frozen=True)
 class Shares:
-    served: float  # progress rate of each served forward (1: its quiet speed)
+    served: float  # progress rate of each one-thread served forward (1: its quiet speed)
     shadow: float  # of each unfrozen shadow
     shadow_cores: float  # cores the shadows run on
+    team: float = 0.0  # of each served forward of two threads or more (``cores_share``)
+
+    def rate(self, threads: int) -> float:
+        """Progress rate of a served forward of ``threads`` threads."""
+        return self.team if threads > 1 else self.served
 
 
 def cores_share(cores: int, normal_threads: float, shadow_threads: float) -> Shares:
     """Fair sharing: normal-priority threads (served forwards and neighbours) get
-    ``cores / demand`` of a core each when they want more than ``cores``; idle-class shadows
-    share what they leave, and slow served forwards by ``SHADOW_INTERFERENCE``. Checked
-    against the loaded Arm figure in tests (not fitted to it: the record does not say how
-    many threads the load ran)."""
+    ``cores / demand`` of a core each when they want more than ``cores``; a forward of
+    several threads runs at its slowest thread's pace, ``1 / ceil(demand / cores)`` (its
+    threads meet at barriers; one of them shares a core with the most others). Idle-class
+    shadows share what normal threads leave, and slow served forwards by
+    ``SHADOW_INTERFERENCE``. Checked, not fitted: the loaded Arm figure (16 threads beside a
+    busy thread per core: both rules give 1/2) and this host's served forwards beside a
+    neighbour holding one of 2 vCPUs (``bench/results/shadow_vs_served.json``: 2 threads
+    1.97-2.12x slower than with no neighbour, 1 thread 0.99-1.05x; fair sharing alone
+    said 1.5x)."""
     q = 1.0 if normal_threads <= cores else cores / normal_threads
+    team = 1.0 if normal_threads <= cores else 1 / math.ceil(normal_threads / cores - 1e-9)
     left = max(0.0, cores - normal_threads)
     used = min(shadow_threads, left)
     q_shadow = 1.0 if shadow_threads <= left else (left / shadow_threads if shadow_threads
                                                     else 1.0)
-    return Shares(q / (1 + SHADOW_INTERFERENCE * used / cores), q_shadow, used)
+    interference = 1 + SHADOW_INTERFERENCE * used / cores
+    return Shares(q / interference, q_shadow, used, team / interference)
