@@ -161,21 +161,48 @@ class HostRecord:
                            [*params, size_lo])
 
     def put_learned(self, scope: Scope, size_lo: int, num_threads: int, speedup: float,
-                    verified_passes: int) -> None:
+                    verified_passes: int, writer: str = "", origin: str | None = None) -> None:
+        """``writer``: the id of the tuner that learned it (each writer keeps its own row per
+        range); ``origin``: "own" (its own samples) or "sibling" (a live sibling's count it
+        verified)."""
         with self._write() as db:
-            db["learned"].upsert({**_scope(scope), "size_lo": size_lo,
+            db["learned"].upsert({**_scope(scope), "size_lo": size_lo, "writer": writer,
                                   "num_threads": num_threads, "speedup": speedup,
-                                  "verified_passes": verified_passes, "updated_at": time.time()},
-                                 pk=(*_KEY, "size_lo"))
+                                  "verified_passes": verified_passes, "updated_at": time.time(),
+                                  "origin": origin},
+                                 pk=(*_KEY, "size_lo", "writer"))
 
     def learned(self, scope: Scope) -> dict[int, dict]:
         """size_lo -> the count any worker of the scope last learned for the range (with
-        its speed-up, verified passes and when it was written, ``time.time()``)."""
+        its speed-up, verified passes, when it was written, ``time.time()``, its writer and
+        origin)."""
         where, params = scope.where()
         return {r["size_lo"]: r for r in self._rows(
-            f"SELECT size_lo, num_threads, speedup, verified_passes, updated_at FROM learned "
-            f"WHERE {where}",
+            f"SELECT size_lo, num_threads, speedup, verified_passes, updated_at, writer, origin "
+            f"FROM learned WHERE {where} ORDER BY updated_at",
             params)}
+
+    # -- writers (R4.12: whose learned rows a sibling may start from) ----------------------
+    def note_writer(self, scope: Scope, writer: str, pid: int, started_at: float) -> None:
+        """``writer`` (a tuner of ``scope`` in process ``pid``) is alive now."""
+        with self._write() as db:
+            db["writers"].upsert({"writer": writer, **_scope(scope), "pid": pid,
+                                  "started_at": started_at, "seen_at": time.time()},
+                                 pk="writer")
+
+    def writer_gone(self, writer: str) -> None:
+        """``writer`` stopped: its learned rows stay as history, no sibling starts from them."""
+        with self._write() as db:
+            db.execute("DELETE FROM writers WHERE writer = ?", [writer])
+
+    def writers_learned(self, scope: Scope) -> list[dict]:
+        """The scope's learned rows whose writer has a writers row, each with that writer's
+        ``pid`` and ``seen_at`` (``time.time()``), as stored: the caller validates them."""
+        where, params = scope.where()
+        return self._rows(
+            f"SELECT l.size_lo, l.writer, l.num_threads, l.speedup, l.verified_passes, "
+            f"l.updated_at, w.pid, w.seen_at FROM (SELECT * FROM learned WHERE {where}) AS l "
+            f"JOIN writers AS w ON w.writer = l.writer ORDER BY l.updated_at", params)
 
     # -- vouchers and drift ----------------------------------------------------------------
     def add_voucher(self, scope: Scope, source: str, comparisons: int, mismatches: int,

@@ -85,5 +85,23 @@ MIGRATIONS: list[list[str]] = [
            PRIMARY KEY (fingerprint, revision, backend, precision, configured, rows, length,
                         num_threads))""",
     ],
+    [  # 6: who wrote a learned count (one row per writer) and which writers are live (R4.12)
+        """CREATE TABLE learned_6 (fingerprint TEXT, revision TEXT, backend TEXT,
+           precision TEXT, size_lo INTEGER, writer TEXT NOT NULL DEFAULT '',
+           num_threads INTEGER NOT NULL, speedup REAL NOT NULL,
+           verified_passes INTEGER NOT NULL, updated_at REAL NOT NULL,
+           origin TEXT,  -- 'own' samples or a 'sibling' writer's count; NULL: not recorded
+           PRIMARY KEY (fingerprint, revision, backend, precision, size_lo, writer))""",
+        # rows from before have no writer ('' is no live writer's id)
+        """INSERT INTO learned_6 (fingerprint, revision, backend, precision, size_lo,
+           num_threads, speedup, verified_passes, updated_at)
+           SELECT fingerprint, revision, backend, precision, size_lo, num_threads, speedup,
+           verified_passes, updated_at FROM learned""",
+        "DROP TABLE learned",
+        "ALTER TABLE learned_6 RENAME TO learned",
+        """CREATE TABLE writers (writer TEXT PRIMARY KEY, fingerprint TEXT NOT NULL,
+           revision TEXT NOT NULL, backend TEXT NOT NULL, precision TEXT NOT NULL,
+           pid INTEGER NOT NULL, started_at REAL NOT NULL, seen_at REAL NOT NULL)""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -1,7 +1,7 @@
 """Workers of one host share its cores (R4.12): the core ledger with real processes and a real
 file, the pure grant rule, the per-worker cadence that keeps readings and reactions out of
-step, and what siblings of a scope learned read from a real SQLite record. (A real
-multi-replica deployment opening one ledger: tests/test_pool.py, the seed's placement.)"""
+step. (A real multi-replica deployment opening one ledger: tests/test_pool.py, the seed's
+placement; what siblings of a scope learned: tests/test_siblings.py.)"""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ import time
 
 import pytest
 
-from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.engine import FixedThreads
 from vllm_srun.tuner import cadence
 from vllm_srun.tuner.core_ledger import SLOTS
 from vllm_srun.tuner.cores import CoreShare, CoreShareError, SharedCores, grant
-from vllm_srun.tuner.siblings import SiblingCount, siblings_learned, starting_counts
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl OFD locks")
 SPAWN = multiprocessing.get_context("spawn")
@@ -243,27 +241,3 @@ def test_workers_seeing_one_change_of_the_host_do_not_herd():
     assert on == 2 and changes <= 6, (on, changes)
     herd_on, herd_changes = _settle(8, 2, 300, agree=1, spread_s=0.0, hold_s=0.0)
     assert herd_changes >= 100, (herd_on, herd_changes)
-
-
-# -- what siblings learned ---------------------------------------------------------------
-
-def test_siblings_learned_reads_counts_of_the_same_scope_from_the_record(tmp_path):
-    record = HostRecord(tmp_path / "record.sqlite")
-    scope = Scope("host", "rev", "onnxruntime")
-    before = time.time()
-    record.put_learned(scope, 16, 2, 1.4, 3)
-    record.put_learned(scope, 64, 4, 1.9, 5)
-    record.put_learned(Scope("host", "rev", "torch"), 16, 8, 2.0, 5)  # another scope
-    siblings = siblings_learned(HostRecord(tmp_path / "record.sqlite"), scope)
-    assert {lo: (s.num_threads, s.speedup, s.verified_passes)
-            for lo, s in siblings.items()} == {16: (2, 1.4, 3), 64: (4, 1.9, 5)}
-    assert all(before <= s.since_s <= time.time() for s in siblings.values())
-    assert siblings_learned(record, Scope("other", "rev", "onnxruntime")) == {}
-
-
-def test_a_new_worker_starts_verifying_recent_sibling_counts_it_may_serve():
-    siblings = {16: SiblingCount(2, 1.4, 100.0, 3), 32: SiblingCount(1, 1.0, 100.0, 3),
-                64: SiblingCount(8, 1.9, 100.0, 3), 128: SiblingCount(4, 1.5, 10.0, 3)}
-    assert starting_counts(siblings, (1, 2, 4), configured=1, now_s=160.0,
-                           max_age_s=120.0) == {16: 2}  # 32 configured, 64 not allowed,
-    # 128 too old

@@ -307,7 +307,7 @@ def test_an_old_record_migrates_its_rows_to_float32(tmp_path):
     record = HostRecord(path)
     assert record.quarantined is None
     version = sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0]
-    assert version == SCHEMA_VERSION == 5
+    assert version == SCHEMA_VERSION == 6
     f32, bf16 = Scope("host", "rev", "torch"), Scope("host", "rev", "torch", "bfloat16")
     assert f32.precision == "float32" and record.scopes() == [f32]
     assert record.worker(f32) == {"model": "m", "mode": 1, "configured": 1, "counts": [1, 2]}

@@ -58,13 +58,31 @@ class Learner:
 
     # -- what a range needs ----------------------------------------------------------------
     def need(self, r: RangeLearning) -> list[int]:
-        """Counts an exploring range still lacks ``min_samples`` of."""
-        return counts_needing_samples(r.samples, self.counts, self.settings.min_samples)
+        """Counts an exploring range still lacks ``min_samples`` of (``explored``)."""
+        return counts_needing_samples(r.samples, self.explored(r), self.settings.min_samples)
+
+    def explored(self, r: RangeLearning) -> tuple[int, ...]:
+        """The counts a range times: a sibling's candidate and the configured count, or all."""
+        return self.counts if r.candidate is None else (self.configured, r.candidate)
+
+    def adopt(self, candidates: dict[int, int]) -> None:
+        """R4.12: range -> a count a live sibling of the scope learned there. A range that has
+        not started relearning, nor rejected that count, times it against the configured
+        count instead of exploring every count; the ledger still gates what it serves."""
+        for lo, n in candidates.items():
+            r = self.ranges.setdefault(lo, RangeLearning())
+            if r.phase is Phase.EXPLORING and r.candidate is None and n not in r.rejected:
+                r.candidate = n
+                log.info("threads_sibling_candidate range=%d-%d num_threads=%d", lo,
+                         2 * lo - 1, n)
+                self.update(lo, r)  # samples it took already may decide it
 
     def explore_served(self, lo: int, r: RangeLearning, serving: int, now: float) -> int:
         """Mode 2, vouched: an exploring range times each count on served forwards, the one
         it lacks samples of most first (``policy.explore_count``); a count whose cores other
         tasks hold waits."""
+        if r.candidate is not None:  # a sibling's count serves after its window only
+            return serving
         if not r.explore_served:
             r.explore_served = True
             log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
@@ -210,8 +228,15 @@ class Learner:
         """An exploring range took a sample: learn a count once the estimator chooses one
         (``estimator.choose``)."""
         s = self.settings
-        new = choose(r.samples, self.counts, self.configured, s.min_samples, s.margin)
+        new = choose(r.samples, self.explored(r), self.configured, s.min_samples, s.margin)
         if new is None:
+            return
+        if r.candidate is not None and new != r.candidate:  # its own timing rejects it
+            log.info("threads_sibling_candidate_rejected range=%d-%d num_threads=%d", lo,
+                     2 * lo - 1, r.candidate)
+            r.rejected.add(r.candidate)
+            r.candidate = None
+            self.update(lo, r)  # explores every count now
             return
         learn(r, new, self.configured, self.mode is AdaptiveMode.SERVE,
               self.ledger.may_serve_range(lo, new))

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_srun.records.host_record import DriftEvent, HostRecord, HostRecordError, Scope, Voucher
 from vllm_srun.tuner.cadence import waits
+from vllm_srun.tuner.siblings import HEARTBEAT_S, new_writer, siblings_learned, starting_counts
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ class RecordSync:
         self.pending = Pending()
         self.last_flush = clock()
         self._watch: RecordWatch | None = None
+        # R4.12: this tuner's id in the record, and when (time.time()) it last said it lives
+        self.writer, self.started_at, self.seen_at = new_writer(), time.time(), 0.0
 
     def guard(self, what: str, fn: Callable[[HostRecord], object]) -> object | None:
         """``fn(record)``, or None without a record or where it fails (kept as ``error``)."""
@@ -63,22 +68,46 @@ class RecordSync:
         return (self.guard("read_drift", lambda rec: rec.drift(scope)),
                 self.guard("read_voucher", lambda rec: rec.voucher(scope)))
 
+    def siblings(self, counts: tuple[int, ...], configured: int) -> dict[int, int]:
+        """Range -> the count a live other writer of the scope learned there
+        (``siblings.starting_counts``); empty without a record."""
+        if self.record is None:
+            return {}
+        return starting_counts(siblings_learned(self.record, self.scope, self.writer),
+                               counts, configured)
+
+    def heartbeat(self, period_s: float) -> None:
+        """Say this writer lives, where it last did ``min(period_s, HEARTBEAT_S)`` ago."""
+        now = time.time()
+        if now - self.seen_at >= min(period_s, HEARTBEAT_S):
+            self.seen_at = now
+            self.guard("heartbeat", lambda rec: rec.note_writer(
+                self.scope, self.writer, os.getpid(), self.started_at))
+
+    def gone(self) -> None:
+        """This writer stops: no sibling starts from its learned rows any more."""
+        self.guard("writer_gone", lambda rec: rec.writer_gone(self.writer))
+
     def take(self, now: float) -> Pending:
         """What to write now (the caller holds the tuner's lock); nothing pending after."""
         taken, self.pending, self.last_flush = self.pending, Pending(), now
         return taken
 
-    def write(self, taken: Pending, learned: dict[int, tuple[int, float, int]],
+    def write(self, taken: Pending, learned: dict[int, tuple[int, float, int, str | None]],
               configured: int) -> None:
-        """Write ``taken`` and ``learned`` (range -> count, speed-up, verified passes); the
-        shapes verified against ``configured``."""
-        scope = self.scope
+        """Write ``taken`` and ``learned`` (range -> count, speed-up, verified passes, origin)
+        under this writer's id, and that it lives; the shapes verified against
+        ``configured``."""
+        scope, writer = self.scope, self.writer
 
         def write(record: HostRecord) -> None:
             for (lo, n), ms in taken.samples.items():
                 record.add_samples(scope, lo, n, ms)
-            for lo, (n, up, passes) in learned.items():
-                record.put_learned(scope, lo, n, up, passes)
+            if learned:
+                record.note_writer(scope, writer, os.getpid(), self.started_at)
+                self.seen_at = time.time()
+            for lo, (n, up, passes, origin) in learned.items():
+                record.put_learned(scope, lo, n, up, passes, writer, origin)
             if taken.comparisons:
                 record.add_voucher(scope, "traffic", taken.comparisons, 0)
             if taken.shapes:

@@ -59,6 +59,19 @@ class RangeLearning:
     baselines: dict[tuple[int, str], float] = field(default_factory=dict)
     recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
     explore_served: bool = False  # mode 2, vouched: its own served forwards time each count
+    # R4.12: a live sibling's learned count this range times against the configured one
+    # instead of exploring every count (None: it explores them all), and the sibling counts
+    # its own timing rejected (``learning.Learner.adopt``)
+    candidate: int | None = None
+    rejected: set[int] = field(default_factory=set)
+
+    @property
+    def learned_from(self) -> str | None:
+        """Where the learned count came from: "sibling" (a live sibling's count, confirmed
+        by this worker's own samples), "own" (its own exploration), None (none learned)."""
+        if self.learned is None:
+            return None
+        return "sibling" if self.learned == self.candidate else "own"
 
     @property
     def exploring(self) -> bool:

@@ -143,6 +143,7 @@ def build(inp: ReportInput) -> dict:
                        "speedup": round(up, 3) if up else None,
                        "verified_passes": inp.verified_passes.get(lo, 0),
                        "state": range_state(inp, r).value,
+                       "learned_from": r.learned_from,  # "own" samples, or a "sibling"'s
                        "timed_by": "its served forwards, at each count in turn (mode 2, "
                                    "vouched)" if r.explore_served else
                                    "shadows, and its served forwards at the count served"})

@@ -293,6 +293,7 @@ def _scope_report(record, scope) -> dict:
     for lo, row in record.learned(scope).items():
         r = ranges.setdefault(lo, RangeLearning())
         r.learned, passes[lo] = row["num_threads"], row["verified_passes"]
+        r.candidate = r.learned if row["origin"] == "sibling" else None  # ``learned_from``
         r.phase = Phase.LEARNED if mode is not AdaptiveMode.SERVE or r.learned == configured \
             else Phase.SERVING if (passes[lo] >= settings.window
                                    and voucher.covers_counts(r.learned, configured)) \
