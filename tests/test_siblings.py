@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.conftest import FAST, L6, SlowerAt, row, serve_paced, start, wait_for
+from tests.conftest import FAST, L6, SlowerAt, row, run_cli, serve_paced, start, wait_for
 from vllm_srun.records.host_record import DriftEvent, HostRecord, Scope
 from vllm_srun.records.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
 from vllm_srun.records.voucher import Coverage
@@ -109,43 +109,44 @@ def test_starting_counts_are_the_siblings_counts_this_worker_may_run():
 
 def test_a_worker_starts_from_a_live_siblings_count_and_serves_it_after_its_own_window(
         onnx, tmp_path):
-    """R4.12, R4.13: A (mode 1) explores 1, 2 and 3 and learns 2. B (mode 2) started on the
-    same record and scope while A is live times only 2 against the configured 1 (no shadow at
-    3), learns 2 from its own samples, and serves it only for forwards that come after its
-    own transition window passed in its ledger; the report says the count came from a
-    sibling."""
+    """R4.12, R4.13: A (mode 1, configured 2) explores 1, 2 and 3 and learns 1. B (mode 2)
+    started on the same record and scope while A is live times only 1 against the configured
+    2 (no shadow at 3 before it learned), learns 1 from its own samples, and serves it only
+    for forwards that come after its own transition window passed in its ledger; the report
+    says the count came from a sibling. (1 is the fast count: 2-thread forwards on this
+    loaded 2-vCPU host vary by more than the 5x the test gives them.)"""
     record = HostRecord(tmp_path / "r.sqlite")
     record.add_voucher(SCOPE, "verify", 40, 0, SWEEP)
-    backend = two_wins(onnx)
-    runner_a, a = start(backend, record, AdaptiveMode.LEARN, 1, COUNTS, STEADY)
+    backend = SlowerAt(SlowerAt(onnx, 2, 5.0), 3, 5.0)
+    runner_a, a = start(backend, record, AdaptiveMode.LEARN, 2, COUNTS, STEADY)
     try:
         for i in range(40):
             serve_paced(runner_a, a, row(100, i))
             if a.learner.ranges[64].learned is not None:
                 break
-        assert a.learner.ranges[64].learned == 2 and len(a.learner.ranges[64].samples[3]) >= 3
+        assert a.learner.ranges[64].learned == 1 and len(a.learner.ranges[64].samples[3]) >= 3
         assert wait_for(lambda: 64 in siblings_learned(record, SCOPE, me="reader"))
-        runner_b, b = start(backend, record, AdaptiveMode.SERVE, 1, COUNTS, STEADY)
+        runner_b, b = start(backend, record, AdaptiveMode.SERVE, 2, COUNTS, STEADY)
         try:
             r = b.learner.ranges[64]
-            assert r.candidate == 2 and b.learner.need(r) == [1, 2]  # before any traffic
+            assert r.candidate == 1 and b.learner.need(r) == [2, 1]  # before any traffic
             served_before_window = served_after_window = 0
             timed_at_three = None  # B's samples at 3 when it learned (after: probes, R4.11)
             for i in range(40):
-                passed = b.ledger.window_passed(64, 2)
+                passed = b.ledger.window_passed(64, 1)
                 serve_paced(runner_b, b, row(100, 100 + i))
-                at_two = runner_b.served[-1].num_threads == 2
-                served_before_window += at_two and not passed
-                served_after_window += at_two and passed
+                at_one = runner_b.served[-1].num_threads == 1
+                served_before_window += at_one and not passed
+                served_after_window += at_one and passed
                 if timed_at_three is None and (r := b.learner.ranges[64]).learned is not None:
                     timed_at_three = len(r.samples.get(3, []))
                 if served_after_window >= 3:
                     break
             r = b.learner.ranges[64]
-            assert (r.learned, r.phase, r.learned_from) == (2, Phase.SERVING, "sibling")
+            assert (r.learned, r.phase, r.learned_from) == (1, Phase.SERVING, "sibling")
             assert served_before_window == 0 and served_after_window >= 3
-            assert timed_at_three == 0 and len(r.samples[2]) >= FAST.min_samples
-            assert b.ledger.progress(64, 2) >= FAST.window
+            assert timed_at_three == 0 and len(r.samples[1]) >= FAST.min_samples
+            assert b.ledger.progress(64, 1) >= FAST.window
             (b_row,) = [x for x in build(from_tuner(b))["ranges"] if x["size_range"] == "64-127"]
             (a_row,) = [x for x in build(from_tuner(a))["ranges"] if x["size_range"] == "64-127"]
             assert (b_row["learned_from"], a_row["learned_from"]) == ("sibling", "own")
@@ -153,9 +154,44 @@ def test_a_worker_starts_from_a_live_siblings_count_and_serves_it_after_its_own_
             runner_b.stop()
         with sqlite3.connect(tmp_path / "r.sqlite") as db:
             assert db.execute("SELECT num_threads, origin FROM learned WHERE writer = ?",
-                              [b.sync.writer]).fetchall() == [(2, "sibling")]
+                              [b.sync.writer]).fetchall() == [(1, "sibling")]
     finally:
         runner_a.stop()
+
+
+def test_a_range_a_sibling_learns_later_is_taken_up_at_the_next_record_read(tmp_path):
+    """R4.12: B started before A learned; the record watch's next read (``poll_record``)
+    gives B's range A's count as its candidate, and says B lives."""
+    record = HostRecord(tmp_path / "r.sqlite")
+    a, b = unstarted(record), unstarted(record)
+    assert b.learner.ranges == {}
+    learned_by(a)
+    b.poll_record()
+    assert b.learner.ranges[64].candidate == 2
+    assert siblings_learned(record, SCOPE, me=a.sync.writer) == {}  # B learned nothing yet
+    assert b.sync.writer in {w for (w,) in sqlite3.connect(tmp_path / "r.sqlite").execute(
+        "SELECT writer FROM writers")}
+
+
+def test_a_candidate_its_own_timing_rejects_sends_the_range_exploring(onnx, tmp_path):
+    """R4.12, R4.13: a live sibling learned 2, but here 2 runs 5x slower than the configured
+    1: by the estimator's rule on its own samples the worker rejects 2, times every count and
+    learns from its own samples; the sibling's count is not taken up again."""
+    record = HostRecord(tmp_path / "r.sqlite")
+    learned_by(unstarted(record))
+    runner, b = start(SlowerAt(onnx, 2, 5.0), record, AdaptiveMode.LEARN, 1, COUNTS, STEADY)
+    try:
+        assert b.learner.ranges[64].candidate == 2
+        for i in range(20):
+            serve_paced(runner, b, row(100, i))
+            if b.learner.ranges[64].learned is not None:
+                break
+        b.poll_record()
+        r = b.learner.ranges[64]
+        assert r.candidate is None and r.rejected == {2} and r.learned_from == "own"
+        assert len(r.samples[3]) >= FAST.min_samples and r.learned != 2
+    finally:
+        runner.stop()
 
 
 # -- (b) rows of writers that are gone are history (R4.11) -------------------------------
@@ -231,3 +267,22 @@ def test_a_schema_5_record_opens_and_keeps_vouchers_drift_and_learned_rows(tmp_p
     with sqlite3.connect(path) as db:
         assert sorted(db.execute("SELECT writer, num_threads FROM learned")) == [
             ("", 2), (tuner.sync.writer, 3)]
+
+
+def test_the_record_report_says_where_each_learned_count_came_from(tmp_path):
+    """R4.10: ``vllm-srun threads report`` from the record says per range ``learned_from``:
+    "sibling" for a count a worker took from a live sibling and verified, "own" for one it
+    explored (and for rows from before origins were recorded: no worker took a sibling's
+    count then), none where nothing was learned."""
+    path = tmp_path / "r.sqlite"
+    record = HostRecord(path)
+    for lo in (16, 32, 64, 128):
+        record.add_samples(SCOPE, lo, 1, [1.0])
+    record.put_learned(SCOPE, 16, 2, 1.5, 3, "a", "own")
+    record.put_learned(SCOPE, 32, 2, 1.5, 3, "b", "sibling")
+    record.put_learned(SCOPE, 64, 2, 1.5, 3)  # from before writers were recorded
+    out = run_cli("threads", "report", "--record", str(path), "--json")
+    assert out.returncode == 0, out.stderr
+    (rep,) = json.loads(out.stdout)["reports"]
+    assert {r["size_range"]: r["learned_from"] for r in rep["ranges"]} == {
+        "16-31": "own", "32-63": "sibling", "64-127": "own", "128-255": None}
