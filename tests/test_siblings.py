@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import subprocess
 import sys
@@ -84,9 +85,11 @@ def test_only_live_other_writers_of_the_scope_count_and_bad_rows_are_skipped(tmp
                "gone": (SCOPE, 128), "dead": (SCOPE, 256), "other": (other_scope, 512),
                "bad": (SCOPE, 1024)}
     for writer, (scope, lo) in writers.items():
-        record.note_writer(scope, writer, ended.pid if writer == "dead" else 1, 0.0)
+        record.note_writer(scope, writer, ended.pid if writer == "dead" else os.getpid(), 0.0)
         record.put_learned(scope, lo, 2, 1.5, 3, writer, "own")
     record.put_learned(SCOPE, 2048, 2, 1.5, 3)  # before writers were recorded: no writer
+    record.note_writer(SCOPE, "no-pid", 0, 0.0)  # a foreign row: pid 0 names no process
+    record.put_learned(SCOPE, 4096, 2, 1.5, 3, "no-pid", "own")
     record.writer_gone("gone")
     past(path, "stale", LIVE_S + 1)
     with sqlite3.connect(path) as db:

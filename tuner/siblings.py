@@ -55,7 +55,10 @@ class SiblingCount:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host (one we may not signal runs)."""
+    """Whether a process ``pid`` runs on this host (one we may not signal runs; 0 or less
+    names no process: ``kill`` would signal a group)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
