@@ -40,12 +40,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from vllm_srun.records.host_record import HostRecord, Scope
-from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import ContentionWatch
-from vllm_srun.tuner.golden import check_golden
+from vllm_srun.tuner.golden import Forward, warm_and_check
 from vllm_srun.tuner.idle_verify import IdleVerifier
 from vllm_srun.tuner.inflight import InFlight, ShadowStart, Timed
 from vllm_srun.tuner.learning import Learner
@@ -60,12 +59,9 @@ from vllm_srun.tuner.shadow_loop import ShadowLoop
 from vllm_srun.tuner.shadow_side import ShadowSide
 from vllm_srun.tuner.tally import Tally
 
-__all__ = ["AdaptiveThreads", "RangeLearning", "TunerSettings", "output_bits"]
+__all__ = ["AdaptiveThreads", "Forward", "RangeLearning", "TunerSettings", "output_bits"]
 
 log = logging.getLogger(__name__)
-
-Forward = Callable[[TokenBatch, int], ForwardResult]
-
 
 class AdaptiveThreads:
     """The adaptive ThreadsPolicy of one worker (see the module docstring). ``forward`` runs
@@ -152,28 +148,21 @@ class AdaptiveThreads:
     # -- start-up: warm pass and golden check (R4.3, R4.4) --------------------------------
     def startup(self, golden_rows: list[list[int]],
                 reference: np.ndarray | None = None, tolerance: float = 1e-5) -> str | None:
-        """Warm, then check the golden answers at the configured count; unlock exploration
-        (and start the shadow thread) when they hold. Returns why the worker must stay out of
-        dispatch, or None."""
-        batches = [pad([row]) for row in golden_rows]
-        self.forward(batches[0], self.configured)  # warm pass: caches out of the comparison
-        # flat: per-token answers (token classification) differ in length per input; the
-        # bytes, and so the digest, of vector answers are unchanged by flattening
-        outputs = np.concatenate([self.forward(b, self.configured).outputs.reshape(-1)
-                                  for b in batches])
-        why = check_golden(outputs, self.sync, reference, tolerance, self.configured)
+        """Warm, then check the golden answers at the configured count (``golden``); unlock
+        exploration (and start the shadow thread) when they hold. Returns why the worker must
+        stay out of dispatch, or None. Mode 2 may serve the other counts: they are warmed too."""
+        others = [n for n in self.counts if n != self.configured]
+        first, why = warm_and_check(self.forward, golden_rows, self.sync, reference, tolerance,
+                                    self.configured,
+                                    others if self.mode is AdaptiveMode.SERVE else ())
         if why is not None:
             self.ledger.locked_reason = why
             return why
-        if self.mode is AdaptiveMode.SERVE:  # mode 2 may serve the others: warm them too
-            for n in self.counts:
-                if n != self.configured:
-                    self.forward(batches[0], n)
         self.ledger.locked_reason = None
         self.side.budget.restart(self.clock())
         retired = self.ledger.retired is not None
         if self.settings.background and not retired:
-            self.side.loop = ShadowLoop(self, batches[0])
+            self.side.loop = ShadowLoop(self, first)
             self.side.freezer.start()
             self.sync.watch(self.poll_record, self.settings.watch_s, self.learner.worker)
         log.info("threads_golden_passed mode=%d configured=%d counts=%s retired=%s",

@@ -10,11 +10,14 @@ import base64
 import hashlib
 import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.tokenizer import Tokenizer
+from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.ledger import output_bits
 from vllm_srun.tuner.persistence import RecordSync
 
@@ -25,6 +28,7 @@ GOLDEN_TEXTS = (
     "search: how do I learn the fastest thread count for each input size?",
 )
 _REFERENCE = Path(__file__).with_name("golden_reference.json")
+Forward = Callable[[TokenBatch, int], ForwardResult]
 
 
 def golden_rows(tokenizer: Tokenizer) -> list[list[int]]:
@@ -60,6 +64,25 @@ def reference_tolerance(precision: str, min_cosine: float) -> float:
 def golden_digest(outputs: np.ndarray) -> str:
     """The record's digest of the golden answers: their bits, hashed."""
     return hashlib.sha256(output_bits(outputs).tobytes()).hexdigest()[:32]
+
+
+def warm_and_check(forward: Forward, rows: list[list[int]], sync: RecordSync,
+                   reference: np.ndarray | None, tolerance: float, configured: int,
+                   warm_also: Sequence[int] = ()) -> tuple[TokenBatch, str | None]:
+    """A warm pass at the configured count (caches out of the comparison), then the golden
+    answers there against the record's digest (``check_golden``); where they hold, a warm pass
+    at each of ``warm_also``. Returns the first golden batch and why the worker must stay out
+    of dispatch, or None."""
+    batches = [pad([row]) for row in rows]
+    forward(batches[0], configured)
+    # flat: per-token answers (token classification) differ in length per input; the
+    # bytes, and so the digest, of vector answers are unchanged by flattening
+    outputs = np.concatenate([forward(b, configured).outputs.reshape(-1) for b in batches])
+    why = check_golden(outputs, sync, reference, tolerance, configured)
+    if why is None:
+        for n in warm_also:
+            forward(batches[0], n)
+    return batches[0], why
 
 
 def check_golden(outputs: np.ndarray, sync: RecordSync, reference: np.ndarray | None,
