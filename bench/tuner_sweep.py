@@ -1,0 +1,197 @@
+"""The tuner's learning constants swept on the simulated host (``tuner/simulate.py``): for each
+constant, a few values around its default, one at a time, mode 2 run on the same traces as at
+the default and as every fixed count.
+
+    python -m bench.tuner_sweep [--seeds 1,2,3,4,5,6] [--only min_samples window ...]
+                                [--out bench/results/tuner_sweep.json]
+
+Scenarios (set before any run, not tuned to a result), each on the forward model fitted to
+this host's measured table (``sim_calibration.calibrated``, the default backend, float32):
+
+- ``2 cores``: one worker on 2 cores, configured 1 (R2.3's default there), counts 1 and 2,
+  Poisson arrivals at 60% of what fixed 1 serves, FACTS.md's length mix, 120 s;
+- ``2 cores, neighbour``: the same beside a neighbour holding one core 2 s of every 4;
+- ``16 cores``: two workers on 16 cores, configured 8 each, counts 1-16, sharing the cores
+  through the core ledger as a pool's workers do (``simulate.ledger``), 50% load, a neighbour
+  shifting between none and half the cores (``simulate.shifting_neighbour``), 60 s.
+
+Per scenario and seed: the mean request latency (queue plus forward) of mode 2 at the defaults
+and of every fixed count (mode 2 over its configured count: what turning it on changes). Per
+constant and value: mode 2's over the best fixed count's on the same trace (``vs best
+fixed``: learning's cost included), and over mode 2 at the default settings (``vs default``,
+paired by seed: the simulator is deterministic per seed, so two runs at one setting give
+exactly 1.0 and there is no other null check). Each figure is the median over seeds with a
+bootstrap 95% interval. What the simulator models and
+assumes is in ``tuner/simulate.py``; what it leaves out (the real kernel's run delay, the
+frontend's CPU, the record watch) a sweep here cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from bench.stats import bootstrap
+from vllm_srun.tuner.modes import allowed_counts
+from vllm_srun.tuner.settings import TunerSettings
+from vllm_srun.tuner.sim_calibration import TimeModel, calibrated
+from vllm_srun.tuner.simulate import (
+    Neighbour,
+    SimulatedHost,
+    ledger,
+    request_length,
+    request_trace,
+    shifting_neighbour,
+)
+
+OUT = Path(__file__).parent / "results" / "tuner_sweep.json"
+# each constant's values, its default among them
+SWEEP: dict[str, tuple] = {
+    "min_samples": (4, 8, 12, 16, 24),
+    "window": (2, 4, 8, 16),
+    "margin": (0.0, 0.02, 0.05, 0.1, 0.2),
+    "audit_every": (4, 8, 16, 32),
+    "relearn_factor": (1.25, 1.5, 2.0, 3.0),
+    "max_samples": (16, 48, 96),
+    "budget_fraction": (0.25, 0.5, 1.0),
+    "starved_s": (0.25, 1.0, 4.0),
+}
+
+
+def _scenario(name: str, seed: int, config):
+    """(cores, workers, configured, trace, neighbours, duration) of one scenario and seed."""
+    rng = np.random.default_rng(seed)
+    if name.startswith("2 cores"):
+        cores, workers, configured, duration, load = 2, 1, 1, 120.0, 0.6
+    else:
+        cores, workers, configured, duration, load = 16, 2, 8, 60.0, 0.5
+    per_worker = max(1, cores // workers) if workers > 1 else configured
+    mean_ms = float(np.mean([config.quiet_ms(1, request_length(rng), per_worker)
+                             for _ in range(4000)]))
+    trace = request_trace(load * workers * 1000 / mean_ms, duration, seed)
+    if name == "2 cores":
+        neighbours = []
+    elif name == "2 cores, neighbour":
+        neighbours = [Neighbour(1, t, t + 2.0) for t in np.arange(0.0, duration, 4.0)]
+    else:
+        neighbours = shifting_neighbour(cores, duration, seed + 1)
+    return cores, workers, configured, trace, neighbours
+
+
+SCENARIOS = ("2 cores", "2 cores, neighbour", "16 cores")
+
+
+def _latency(config, scenario, seed: int, fixed: int | None,
+             settings: TunerSettings | None = None) -> float:
+    cores, workers, configured, trace, neighbours = scenario
+    hook = ledger(cores, configured) if workers > 1 and fixed is None else None
+    host = SimulatedHost(TimeModel(cores, config), neighbours, fixed, seed=seed,
+                         configured=configured, counts=allowed_counts(configured, cores),
+                         workers=workers, settings=settings, max_rows=32, max_tokens=2048,
+                         cores_hook=hook)
+    return host.run(trace).mean_latency_ms
+
+
+def _summary(values: Sequence[float]) -> dict:
+    ci = bootstrap(list(values), lambda v: float(np.median(v)))
+    return {"median": ci.estimate, "ci95": [ci.lo, ci.hi],
+            "per_seed": [round(float(v), 4) for v in values]}
+
+
+def sweep(seeds: Sequence[int], only: Sequence[str]) -> dict:
+    config = calibrated()
+    base = TunerSettings(background=False)
+    out: dict = {"seeds": list(seeds), "scenarios": {}}
+    for name in SCENARIOS:
+        t0 = time.monotonic()
+        fixed: dict[int, dict[int, float]] = {}
+        default = {}
+        for seed in seeds:
+            sc = _scenario(name, seed, config)
+            fixed[seed] = {n: _latency(config, sc, seed, n)
+                           for n in allowed_counts(sc[2], sc[0])}
+            default[seed] = _latency(config, sc, seed, None, base)
+        fixed_best = {s: min(fixed[s].values()) for s in seeds}
+        configured = _scenario(name, seeds[0], config)[2]
+        rows = []
+        for key in only:
+            for value in SWEEP[key]:
+                if value == getattr(base, key):
+                    lat = default
+                else:
+                    settings = replace(base, **{key: value})
+                    lat = {s: _latency(config, _scenario(name, s, config), s, None, settings)
+                           for s in seeds}
+                rows.append({"constant": key, "value": value,
+                             "default": value == getattr(base, key),
+                             "vs_best_fixed": _summary([lat[s] / fixed_best[s] for s in seeds]),
+                             "vs_default": _summary([lat[s] / default[s] for s in seeds])})
+                print(f"{name} {key}={value}: vs best fixed "
+                      f"{rows[-1]['vs_best_fixed']['median']:.3f}, vs default "
+                      f"{rows[-1]['vs_default']['median']:.3f} "
+                      f"{rows[-1]['vs_default']['ci95']}", flush=True)
+        out["scenarios"][name] = {
+            "rows": rows, "seconds": round(time.monotonic() - t0, 1),
+            "fixed_ms": {str(n): _summary([fixed[s][n] for s in seeds])["median"]
+                         for n in fixed[seeds[0]]},
+            "default_ms": _summary([default[s] for s in seeds])["median"],
+            "default_vs_configured": _summary([default[s] / fixed[s][configured]
+                                               for s in seeds])}
+    return out
+
+
+def table(result: dict) -> list[str]:
+    names = list(result["scenarios"])
+    lines = ["| scenario | mode 2 at the defaults, mean latency ms | each fixed count (median "
+             "over seeds) | mode 2 / its configured count (95% CI) |", "|---|---|---|---|"]
+    for n in names:
+        sc = result["scenarios"][n]
+        c = sc["default_vs_configured"]
+        fixed = ", ".join(f"{k}: {v:.1f}" for k, v in sc["fixed_ms"].items())
+        lines.append(f"| {n} | {sc['default_ms']:.1f} | {fixed} | {c['median']:.3f} "
+                     f"({c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}) |")
+    lines += ["","| constant | value | " + " | ".join(f"{n}: vs best fixed / vs default (95% CI)"
+                                                  for n in names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    by_key: dict[tuple, list[str]] = {}
+    for n in names:
+        for r in result["scenarios"][n]["rows"]:
+            b, d = r["vs_best_fixed"], r["vs_default"]
+            by_key.setdefault((r["constant"], r["value"], r["default"]), []).append(
+                f"{b['median']:.3f} / {d['median']:.3f} ({d['ci95'][0]:.3f}-{d['ci95'][1]:.3f})")
+    for (key, value, is_default), cells in by_key.items():
+        shown = f"**{value}** (default)" if is_default else str(value)
+        lines.append(f"| {key} | {shown} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="1,2,3,4,5,6")
+    p.add_argument("--only", nargs="+", choices=list(SWEEP), default=list(SWEEP))
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds must be integers separated by commas, got {args.seeds!r}")
+    if len(seeds) < 2:
+        p.error("--seeds needs at least two seeds for an interval")
+    result = sweep(seeds, args.only)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print("\n".join(table(result)))
+    if any(math.isnan(r["vs_default"]["median"]) for s in result["scenarios"].values()
+           for r in s["rows"]):
+        raise SystemExit("a run gave no latency")
+
+
+if __name__ == "__main__":
+    main()
