@@ -17,7 +17,8 @@ on this host), and ``fixed 1 again``, a second fixed 1: the null check, in every
 Each adaptive server gets a fresh host record with nothing learned in it (mode 2's is a copy
 of one record that ``threads verify`` vouched for over exactly those batch limits: the sweep
 takes minutes and writes only the voucher, so it runs once; ``--no-verify``, and ``--quick``,
-skip it, and mode 2 then acts as mode 1 and says so in its report). In ``levels``,
+skip it, and mode 2 then starts as a user starts it: no voucher, verifying the shapes its
+traffic reaches in its own idle time and paid share). In ``levels``,
 ``oracle`` and ``neighbour`` an adaptive server first learns from bursts of traffic at 1 and
 16 connections with 1 s pauses (``--learn-seconds`` in all); in ``steady`` and ``regret`` it
 learns under the measured load itself, from its first second.
@@ -180,7 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke pass: every section for a few "
                    "seconds, 2 rounds, no voucher sweep (flags given beside it win)")
     p.add_argument("--no-verify", action="store_true", help="no `threads verify` sweep: mode 2 "
-                   "starts without a voucher (it then acts as mode 1)")
+                   "starts without a voucher, as a user starts it (it verifies shapes itself)")
     p.add_argument("--voucher", help="a record that `threads verify` vouched for with the same "
                    "model and batch limits: reused if it exists, made there if not (minutes)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_load.json"))
