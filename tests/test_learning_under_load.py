@@ -503,3 +503,35 @@ def test_a_shadow_cut_into_by_load_stays_frozen_until_the_load_calms(tmp_path):
           f"half {late.count(False)}, frozen beside {tuner.tally.frozen_beside}")
     assert during and during[0][1] is True  # frozen by the first forward
     assert late.count(False) == 0, during
+
+
+def test_a_worker_loaded_from_its_first_second_warms_its_shadow_side_and_learns(tmp_path):
+    """R4.5 (amended): back-to-back served forwards from start-up, every one timed (every
+    range explores), mode 2 with no voucher. The shadow side's warm pass runs as a paid
+    shadow, never frozen, and comparisons follow. As an idle-class shadow each timed forward
+    froze it: the shadow process stayed stopped and a server loaded with 16 connections from
+    its first second compared nothing in 120 s (``bench/results/adaptive_load_steady.json``)."""
+    manifest = resolve(L3)
+    runner, tuner, shadows = shadowed_runner(
+        manifest, load_backend(manifest, "onnxruntime"), AdaptiveMode.SERVE,
+        Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
+        TunerSettings(), EngineArgs(num_threads=1, cache_entries=0))
+    stop = threading.Event()
+
+    def load(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            runner.engine.submit([row(40, 1000 * k + i)]).result(timeout=60)
+            i += 1
+
+    loaders = [threading.Thread(target=load, args=(k,)) for k in range(2)]
+    for t in loaders:
+        t.start()
+    try:
+        wait_until(lambda: tuner.side.warm, 60, "the shadow side warm under load")
+        wait_until(lambda: tuner.ledger.comparisons > 0, 60, "a comparison under load")
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(60)
+        runner.stop()

@@ -333,6 +333,22 @@ class AdaptiveThreads:
         self.side.freezer.release()  # held frozen since the last forward
         return (*due, False)
 
+    def warm_shadows(self, batch: TokenBatch) -> None:
+        """Warm every count on the shadow side before any is timed, as a paid shadow: at
+        normal priority and never frozen, a few ms once, charged to no budget. As an idle one,
+        each timed served forward froze it: a server loaded from its first second (16
+        connections) kept its shadow process stopped and learned nothing in 120 s, 6 rounds
+        of 6 (``bench/results/adaptive_load_steady.json``)."""
+        for n in self.counts:
+            with self.lock:
+                self.flight.shadow_paid = True
+            try:
+                self.run_shadow(batch, n, paid=True)
+            finally:
+                with self.lock:
+                    self.flight.shadow_paid = False
+        self.side.warm = True
+
     def run_shadow(self, batch: TokenBatch, count: int, paid: bool = False) -> ForwardResult:
         """One shadow forward (a due one, or a warm-up), counted as running meanwhile;
         ``paid``: on the shadow side at normal priority (``paid_forward``)."""

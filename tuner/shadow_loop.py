@@ -61,9 +61,7 @@ class ShadowLoop:
     def _learn(self) -> None:
         t = self.tuner
         if not t.side.warm:
-            for n in t.counts:  # warm every count before it is timed
-                t.run_shadow(self._warm, n)
-            t.side.warm = True
+            t.warm_shadows(self._warm)
         while not self._stop:
             if t.step():
                 self._retry_s = 0.0
