@@ -5,6 +5,7 @@ up) counts as free. Real /proc, real processes."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -14,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from vllm_srun.tuner.free_cpus import FreeCpus
+from vllm_srun.tuner.cores import CoreShare
+from vllm_srun.tuner.free_cpus import FreeCpus, share_of_pool
 
 pytestmark = [pytest.mark.required_in_ci,  # CI runs on Linux
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")]
 
+SPAWN = multiprocessing.get_context("spawn")
 SPIN = [sys.executable, "-c", "while True: pass"]
 YIELDING = {  # a spinning process that yields to a normal one
     "idle class": "import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))",
@@ -107,3 +110,54 @@ def test_a_named_process_that_is_gone_counts_nothing():
     free = FreeCpus(lambda: (child.pid,))
     free.close()
     assert free() is not None
+
+
+def test_a_worker_gets_its_fair_share_of_the_pool_beside_its_siblings():
+    """R4.12: siblings are charged what they used up to an equal share of the pool each;
+    this worker gets the rest (``share_of_pool``)."""
+    assert share_of_pool(8.0, []) == 8.0  # alone: everything free is its own
+    assert share_of_pool(64.0, [0.0] * 7) == 64.0  # siblings idle: the whole pool
+    assert share_of_pool(8.0, [8.0] * 7) == 8.0  # all busy, no neighbour: 64 / 8
+    assert share_of_pool(4.0, [4.0] * 7) == 4.0  # a neighbour on 32 of 64: 32 / 8
+    assert share_of_pool(0.0, [2.0, 0.0]) == pytest.approx(2 / 3)  # one hogs 2 of 2 cores
+    assert share_of_pool(0.0, [1.0, 1.0]) == pytest.approx(2 / 3)
+
+
+def _sibling_spinning_on(path: str, cpu: int, ready) -> None:
+    share = CoreShare.open(path, 8, "sibling")
+    os.sched_setaffinity(0, {cpu})
+    ready.set()
+    try:
+        while True:
+            pass
+    finally:
+        share.close()
+
+
+def test_a_sibling_on_the_core_ledger_is_no_neighbour(tmp_path):
+    """A sibling worker (its slot in the core ledger) spinning on one CPU: read beside it as
+    a sibling, this worker keeps half that CPU, its equal share; read as a neighbour, it
+    keeps none. Both read the same window of that CPU alone (``cpus``)."""
+    cpu = min(os.sched_getaffinity(0))
+    path, ready = str(tmp_path / "host.cores"), SPAWN.Event()
+    sibling = SPAWN.Process(target=_sibling_spinning_on, args=(path, cpu, ready))
+    sibling.start()
+    share = CoreShare.open(path, 8, "this one")
+    try:
+        assert ready.wait(60)
+        wait_until(lambda: share.sibling_pids() == (sibling.pid,), 10, "the sibling's slot")
+        pooled = FreeCpus(cpus={cpu}, siblings=share.sibling_pids)
+        alone = FreeCpus(cpus={cpu})
+        pooled.close()
+        alone.close()
+        time.sleep(0.2)  # the sibling spins
+        (t0, a0), (_, b0) = pooled.sample(), alone.sample()
+        time.sleep(0.5)
+        (t1, a1), (_, b1) = pooled.sample(), alone.sample()
+    finally:
+        sibling.kill()
+        sibling.join(30)
+        share.close()
+    as_sibling, as_neighbour = (a1 - a0) / (t1 - t0), (b1 - b0) / (t1 - t0)
+    assert as_neighbour <= 0.25 and 0.3 <= as_sibling <= 0.7, (as_sibling, as_neighbour)
+    assert share.sibling_pids() == ()  # closed: no ledger to read

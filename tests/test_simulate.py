@@ -254,6 +254,19 @@ def test_a_cores_hook_clamps_what_each_worker_serves():
     assert seen[0] == (16, 0) and seen[-1] == (16, 7 * 8)  # the others' counts as they run
 
 
+def test_workers_sharing_a_ledger_charge_a_busy_one_only_its_fair_share():
+    """R4.12, as ``free_cpus.share_of_pool`` reads a real host: 4 cores, two workers, one
+    serving a forward at 4 threads, the other idle. Read as a neighbour, the busy one leaves
+    the idle one no free core; beside a sibling in the core ledger (a cores hook), it is
+    charged its fair share (2) and the idle one reads the other 2."""
+    for hook, idle_reads in ((None, 0.0), (lambda worker, wanted, others: wanted, 2.0)):
+        host = SimulatedHost(TimeModel(4, flat()), fixed=4, workers=2, noise=QUIET,
+                             max_rows=1, cores_hook=hook)
+        host.run([Arrival(0.0, 512)])
+        rates = sorted(free / host.clock.now_s for free in host.clock.free_s)
+        assert rates == pytest.approx([idle_reads, 4.0]), hook
+
+
 def test_the_host_wide_noise_is_correlated_over_seconds_and_forward_noise_is_not():
     """One worker, fixed count, one forward every 0.2 s: the host-wide factor (sigma 0.2,
     30-s time constant) keeps neighbouring forwards' slowness alike; per-forward noise

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,7 @@ class CoreShare:
         self._linger_ns = int(linger_s * 1e9)
         self._reaped_at = time.monotonic()
         self.tally = ClaimTally()
+        self._closing = threading.Lock()
 
     @classmethod
     def open(cls, path: Path | str, budget: int, worker: str, linger_s: float = LINGER_S,
@@ -257,16 +259,26 @@ class CoreShare:
                      now_s - (now_ns - int(since)) / 1e9, int(floor))
                 for pid, n, since, until, floor in rows if pid]
 
+    def sibling_pids(self) -> tuple[int, ...]:
+        """The pids of the other workers holding slots (read without the file lock: a slot that
+        changes meanwhile is read either way); ``FreeCpus`` gives this worker its share of
+        the cores beside them."""
+        with self._closing:  # another thread reads: the mapping must outlive the copy
+            if self.ledger.fd < 0:
+                return ()
+            pids = self.ledger.pid.copy()
+        return tuple(int(p) for i, p in enumerate(pids) if p > 0 and i != self._index)
+
     def close(self) -> None:
         """Leave the ledger: the slot is cleared and freed."""
-        led = self.ledger
-        if led.fd < 0:
-            return
-        index = self._index
-        led.threads[index] = led.until[index] = led.floor[index] = 0
-        led.pid[index] = 0
-        led.free_slot(index)
-        led.close()
+        with self._closing:
+            led, index = self.ledger, self._index
+            if led.fd < 0:
+                return
+            led.threads[index] = led.until[index] = led.floor[index] = 0
+            led.pid[index] = 0
+            led.free_slot(index)
+            led.close()
 
 
 class ThreadsPolicy(Protocol):  # runtime.engine.ThreadsPolicy, restated to stay a seam

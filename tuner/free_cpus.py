@@ -23,6 +23,21 @@ read it out of step (R4.12): each reader starts at an offset of ``sample_s`` fix
 ``worker`` id and waits ``sample_s`` +/- 20% between readings, drawn per id
 (``cadence.waits``); each reading carries its own time, so the tuner's windows are unchanged.
 
+Workers of one host that share its cores (R4.12: the core ledger's slots, ``siblings``) are
+not neighbours: each reading gives this worker its fair share of what the pool of workers
+could have had. Over each interval between readings the pool's free time is the free time
+above plus every live sibling's CPU time; each sibling is charged what it used up to an
+equal share of that (the pool over 1 + live siblings), and this worker gets the rest. With
+every worker busy that is an equal share of the cores other tasks leave (eight workers, a
+neighbour on 32 of 64 cores: 4 each); with its siblings idle, the whole of it; a sibling
+that serves more than its share takes no more from this one than its share. Read as
+neighbours, eight busy workers each saw the others' 56 threads as a neighbour's, and all
+followed "contention" down to 1 thread and back at once (the simulated 64-core host).
+
+Each reading adds the growth of every source (the CPUs' idle time, each process's CPU time)
+since the last one; a source first seen adds nothing until its next reading, so a process
+found by a scan, or a sibling that starts, adds its time from then on, not its whole life.
+
 Not seen: a cgroup quota below the mask (its throttled time reads as free), CPU time of these
 processes spent outside the mask, and yielding threads of processes that are not. Where
 ``/proc`` cannot be read the reading is None and the tuner probes the learned count instead.
@@ -48,7 +63,8 @@ class FreeCpus:
     def __init__(self, pids: Callable[[], Iterable[int]] = tuple,
                  cpus: Collection[int] | None = None, scan_s: float = 5.0,
                  sample_s: float = 0.05, rest_s: float = 1.0,
-                 worker: str | None = None) -> None:
+                 worker: str | None = None,
+                 siblings: Callable[[], Iterable[int]] = tuple) -> None:
         """``sample_s``: 0.05, half the tuner's window (``contention_free_window_s``, 0.1 s):
         a whole window lies between two readings at most 0.16 s after it began (a wait is at
         most 0.06 s with the jitter, the module docstring says why it has one). A reading
@@ -56,16 +72,19 @@ class FreeCpus:
         run), so 20 a second take 0.5% of a core: the reader rests once ``latest`` has not
         been asked for ``rest_s`` (1.0: ten windows, past which the tuner takes a reading
         as saying nothing of now anyway). ``worker``: the id that fixes the reader's phase
-        and jitter (default: this process's pid)."""
+        and jitter (default: this process's pid). ``siblings``: the pids of the other workers
+        sharing this host's cores (the core ledger's, ``CoreShare.sibling_pids``)."""
         if cpus is None:  # (no affinity call off Linux, where /proc is missing too: None)
             cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
         self._names = {f"cpu{i}".encode() for i in cpus}
         self._tick = os.sysconf("SC_CLK_TCK")
-        self._pids = pids
+        self._pids, self._siblings = pids, siblings
         self._yielding: tuple[int, ...] = ()
+        self._last: tuple[dict[object, int], dict[int, int]] | None = None  # ticks per source
+        self._shared_ticks = 0.0  # this worker's share of the free ticks so far
         self._stop = threading.Event()
         self.scan()
-        self._latest = self._reading()
+        self._latest = self.sample()
         self._asked_at = time.monotonic()
         spacing = waits(str(os.getpid()) if worker is None else worker, sample_s)
         threading.Thread(target=self._sample, args=(spacing, scan_s, rest_s),
@@ -78,24 +97,46 @@ class FreeCpus:
         return self._latest
 
     def __call__(self) -> float | None:
-        """Free CPU seconds so far (see the module docstring); None if unreadable."""
+        """Free CPU seconds so far (see the module docstring; siblings' time not counted);
+        None if unreadable."""
+        got = self._ticks(())
+        return None if got is None else sum(got[0].values()) / self._tick
+
+    def _ticks(self, siblings: Iterable[int]) -> tuple[dict[object, int], dict[int, int]] | None:
+        """Ticks so far per free source (``"idle"``, and each readable process of this one,
+        the named, the yielding) and per live sibling; None if ``/proc/stat`` is unreadable."""
         try:
             with open("/proc/stat", "rb") as f:
                 lines = f.read().split(b"\n")
         except OSError:
             return None
-        ticks = 0
+        idle = 0
         for line in lines[1:]:  # the first line sums every CPU
             if not line.startswith(b"cpu"):
                 break  # the per-CPU lines come first
             parts = line.split()
             if parts[0] in self._names:
-                ticks += int(parts[4]) + int(parts[5])  # idle, iowait
+                idle += int(parts[4]) + int(parts[5])  # idle, iowait
+        free: dict[object, int] = {"idle": idle}
         for pid in {os.getpid(), *self._pids(), *self._yielding}:
-            fields = _stat(pid)
-            if fields is not None:  # else gone: it runs nothing
-                ticks += sum(int(x) for x in fields[CPU_TIME_FIELDS])
-        return ticks / self._tick
+            if (ticks := _cpu_ticks(pid)) is not None:  # else gone: it runs nothing
+                free[pid] = ticks
+        own = set(free)
+        return free, {pid: t for pid in siblings if pid not in own
+                      and (t := _cpu_ticks(pid)) is not None}
+
+    def sample(self) -> tuple[float, float] | None:
+        """A reading now (what the sampler thread keeps as ``latest``): (when, this worker's
+        free CPU seconds so far, its share where siblings share the cores), or None if
+        unreadable."""
+        got = self._ticks(tuple(self._siblings()))
+        if got is None:
+            return None
+        if self._last is not None:
+            self._shared_ticks += share_of_pool(grown(got[0], self._last[0]),
+                                                list(grown_each(got[1], self._last[1])))
+        self._last = got
+        return time.monotonic(), self._shared_ticks / self._tick
 
     def scan(self) -> None:
         """Find the processes that yield to a normal one (idle class, nice 15 and up)."""
@@ -114,10 +155,6 @@ class FreeCpus:
     def close(self) -> None:
         self._stop.set()
 
-    def _reading(self) -> tuple[float, float] | None:
-        free_s = self()
-        return None if free_s is None else (time.monotonic(), free_s)
-
     def _sample(self, spacing: Iterator[float], scan_s: float, rest_s: float) -> None:
         scanned = time.monotonic()
         while not self._stop.wait(next(spacing)):
@@ -126,7 +163,30 @@ class FreeCpus:
                 self.scan()
                 scanned = now
             if now - self._asked_at <= rest_s:
-                self._latest = self._reading()
+                self._latest = self.sample()
+
+
+def grown(now: dict, before: dict) -> int:
+    """How much the sources read both times grew in between (one first seen adds nothing)."""
+    return sum(max(0, v - before[k]) for k, v in now.items() if k in before)
+
+
+def grown_each(now: dict[int, int], before: dict[int, int]) -> Iterator[int]:
+    return (max(0, v - before[k]) for k, v in now.items() if k in before)
+
+
+def share_of_pool(free: float, siblings_used: list[float]) -> float:
+    """This worker's share of an interval's free time (see the module docstring): the pool's
+    (``free`` plus what the live siblings used) less what each sibling used, up to an equal
+    share of the pool each."""
+    pool = free + sum(siblings_used)
+    fair = pool / (1 + len(siblings_used))
+    return max(0.0, pool - sum(min(used, fair) for used in siblings_used))
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    fields = _stat(pid)
+    return None if fields is None else sum(int(x) for x in fields[CPU_TIME_FIELDS])
 
 
 def _stat(pid: int) -> list[bytes] | None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from vllm_srun.runtime.types import TokenBatch
+from vllm_srun.tuner.free_cpus import share_of_pool
 from vllm_srun.tuner.sim_model import ConfigFit, cores_share
 from vllm_srun.tuner.sim_types import InFlight, Neighbour, Noise
 
@@ -27,8 +28,13 @@ class CoreClock:
     workers; ``rng`` draws the noise (shared with the host: one stream, one run)."""
 
     def __init__(self, fit: ConfigFit, cores: int, neighbours: Sequence[Neighbour],
-                 noise: Noise, rng: np.random.Generator, workers: int) -> None:
+                 noise: Noise, rng: np.random.Generator, workers: int,
+                 pooled: bool = False) -> None:
+        """``pooled``: the workers share a core ledger, and each reads its share of the free
+        cores beside its siblings (``free_cpus.share_of_pool``), not their threads as a
+        neighbour's."""
         self.fit, self.cores, self.neighbours = fit, cores, tuple(neighbours)
+        self.pooled = pooled
         self.noise, self.rng = noise, rng
         self.now_s = 0.0
         self._log_host = 0.0  # the host-wide factor, log
@@ -75,8 +81,11 @@ class CoreClock:
         total = sum(per_worker)
         over_s = dt if sum(f.threads for f in self.forwards if not f.shadow) > self.cores \
             else 0.0
+        free = self.cores - neighbour - total  # what no served thread used
         for w in range(len(self.free_s)):
-            self.free_s[w] += dt * max(0.0, self.cores - neighbour - (total - per_worker[w]))
+            others = per_worker[:w] + per_worker[w + 1:]
+            self.free_s[w] += dt * (share_of_pool(free + per_worker[w], others)
+                                    if self.pooled else max(0.0, free + per_worker[w]))
         decay = math.exp(-dt / self.noise.host_tau_s)
         self._log_host = self._log_host * decay + self.noise.host * math.sqrt(
             1 - decay * decay) * float(self.rng.normal())

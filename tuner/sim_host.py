@@ -77,7 +77,8 @@ class SimulatedHost:
         self.configured, self.counts, self.hook = configured, counts, cores_hook
         self.max_rows, self.max_tokens = max_rows, max_tokens
         self.clock = CoreClock(model.fit(), model.cores, neighbours, noise,
-                               np.random.default_rng(seed), workers)
+                               np.random.default_rng(seed), workers,
+                               pooled=cores_hook is not None)
         self._workers = [SimWorker() for _ in range(workers)]
         self.out = Outcome()
         self._tmp = tempfile.TemporaryDirectory(prefix="sim-record-")

@@ -109,7 +109,8 @@ class Worker:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
         shadows = ShadowProcess(manifest, backend.name.value, precision)
-        free = FreeCpus(lambda: (shadows.process.pid,), worker=self.replica_id)
+        free = FreeCpus(lambda: (shadows.process.pid,), worker=self.replica_id,
+                        siblings=lambda: self.cores.share.sibling_pids() if self.cores else ())
 
         def close() -> None:
             free.close()
