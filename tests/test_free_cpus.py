@@ -119,8 +119,10 @@ def test_a_worker_gets_its_fair_share_of_the_pool_beside_its_siblings():
     assert share_of_pool(64.0, [0.0] * 7) == 64.0  # siblings idle: the whole pool
     assert share_of_pool(8.0, [8.0] * 7) == 8.0  # all busy, no neighbour: 64 / 8
     assert share_of_pool(4.0, [4.0] * 7) == 4.0  # a neighbour on 32 of 64: 32 / 8
-    assert share_of_pool(0.0, [2.0, 0.0]) == pytest.approx(2 / 3)  # one hogs 2 of 2 cores
-    assert share_of_pool(0.0, [1.0, 1.0]) == pytest.approx(2 / 3)
+    # 2 cores, one sibling holds both and another idles: this one is charged the hog's third
+    # only, and the idle sibling's third is left to it too
+    assert share_of_pool(0.0, [2.0, 0.0]) == pytest.approx(4 / 3)
+    assert share_of_pool(0.0, [1.0, 1.0]) == pytest.approx(2 / 3)  # both busy: a third each
 
 
 def _sibling_spinning_on(path: str, cpu: int, ready) -> None:
