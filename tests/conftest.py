@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,20 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"required in CI (CI={os.environ['CI']}) but skipped: {reason}"
     return report
+
+
+def record_at_schema(path: Path, version: int) -> sqlite3.Connection:
+    """A host record file as schema ``version`` created it (its migrations up to it, the
+    record's application id, its user_version), open in autocommit for the test to fill and
+    close: what a worker of that version left behind (R4.9)."""
+    from vllm_srun.records.schema import APPLICATION_ID, MIGRATIONS
+    conn = sqlite3.connect(path, isolation_level=None)
+    for statements in MIGRATIONS[:version]:
+        for statement in statements:
+            conn.execute(statement)
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {version}")
+    return conn
 
 
 def wait_until(predicate, timeout_s: float = 60, what: str = "condition"):

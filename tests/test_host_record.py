@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import pytest
 
+from tests.conftest import record_at_schema
 from vllm_srun.records.host_record import (
     Coverage,
     DriftEvent,
@@ -19,7 +20,7 @@ from vllm_srun.records.host_record import (
     HostRecordError,
     Scope,
 )
-from vllm_srun.records.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
+from vllm_srun.records.schema import APPLICATION_ID, SCHEMA_VERSION
 
 SCOPE = Scope("f00d", "rev1", "onnxruntime")
 # a sweep at counts 1 and 2 of 1-4 rows x 2-128 tokens, up to 256 padded tokens, all of it
@@ -125,11 +126,7 @@ def test_after_reset_a_new_sweep_vouches_again(path):
 def test_schema_2_file_migrates_its_old_sweeps_vouch_for_nothing(path):
     """R4.8, R4.9: a record from before coverage was stored keeps working: its drift and golden
     answers stay, and its sweep (which never said what it covered) vouches for nothing."""
-    conn = sqlite3.connect(path)
-    for statement in MIGRATIONS[0] + MIGRATIONS[1]:
-        conn.execute(statement)
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 2")
+    conn = record_at_schema(path, 2)
     conn.execute("INSERT INTO vouchers (fingerprint, revision, backend, source, comparisons, "
                  "mismatches, created_at) VALUES ('f00d', 'rev1', 'onnxruntime', 'verify', 33, "
                  "0, 0)")
@@ -205,12 +202,7 @@ def test_a_bad_verified_shape_is_refused_naming_it(path, item):
 def test_schema_4_file_migrates_and_keeps_its_sweeps(path):
     """R4.9: a record of schema 4 gains the verified-shapes table; its sweeps vouch as
     before and it has no shape verified one by one."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    for statements in MIGRATIONS[:4]:
-        for statement in statements:
-            conn.execute(statement)
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 4")
+    conn = record_at_schema(path, 4)
     conn.execute("INSERT INTO vouchers (fingerprint, revision, backend, precision, source, "
                  "comparisons, mismatches, created_at, coverage) VALUES "
                  "('f00d', 'rev1', 'onnxruntime', 'float32', 'verify', 500, 0, 0, ?)",
@@ -269,11 +261,7 @@ def test_newer_schema_is_quarantined(path):
 
 
 def test_older_schema_is_migrated_keeping_its_data(path):
-    conn = sqlite3.connect(path)
-    for statement in MIGRATIONS[0]:
-        conn.execute(statement)
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 1")
+    conn = record_at_schema(path, 1)
     conn.execute("INSERT INTO golden VALUES ('f00d', 'rev1', 'onnxruntime', 'kept', 0)")
     conn.commit()
     conn.close()

@@ -11,9 +11,9 @@ import sqlite3
 import numpy as np
 import pytest
 
-from tests.conftest import L3, L6, Server, poll, run_cli, write_config
+from tests.conftest import L3, L6, Server, poll, record_at_schema, run_cli, write_config
 from vllm_srun.records.host_record import DriftEvent, HostRecord, Scope
-from vllm_srun.records.schema import MIGRATIONS, SCHEMA_VERSION
+from vllm_srun.records.schema import SCHEMA_VERSION
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.errors import ConfigError, Unsupported
@@ -281,12 +281,7 @@ def test_figures_of_each_task_on_known_outputs():
 
 def _old_record(path) -> None:
     """A host record as schema 3 wrote it, with one row in every table."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    for statements in MIGRATIONS[:3]:
-        for statement in statements:
-            conn.execute(statement)
-    conn.execute("PRAGMA application_id = 1987269237")
-    conn.execute("PRAGMA user_version = 3")
+    conn = record_at_schema(path, 3)
     key = ("host", "rev", "torch")
     conn.execute("INSERT INTO workers VALUES (?, ?, ?, 'm', 1, 1, '[1, 2]', 0)", key)
     conn.execute("INSERT INTO golden VALUES (?, ?, ?, 'digest', 0)", key)

@@ -16,9 +16,19 @@ from dataclasses import replace
 
 import pytest
 
-from tests.conftest import FAST, L6, SlowerAt, row, run_cli, serve_paced, start, wait_for
+from tests.conftest import (
+    FAST,
+    L6,
+    SlowerAt,
+    record_at_schema,
+    row,
+    run_cli,
+    serve_paced,
+    start,
+    wait_for,
+)
 from vllm_srun.records.host_record import DriftEvent, HostRecord, Scope
-from vllm_srun.records.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
+from vllm_srun.records.schema import SCHEMA_VERSION
 from vllm_srun.records.voucher import Coverage
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
@@ -236,12 +246,7 @@ def test_a_schema_5_record_opens_and_keeps_vouchers_drift_and_learned_rows(tmp_p
     its voucher, drift and learned counts read as before, its learned rows are no live
     sibling's, and a tuner of the new schema writes beside them."""
     path = tmp_path / "r.sqlite"
-    conn = sqlite3.connect(path, isolation_level=None)
-    for statements in MIGRATIONS[:5]:
-        for statement in statements:
-            conn.execute(statement)
-    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 5")
+    conn = record_at_schema(path, 5)
     key = ["test-host", M.revision, "onnxruntime", "float32"]
     conn.execute("INSERT INTO vouchers (fingerprint, revision, backend, precision, source, "
                  "comparisons, mismatches, created_at, coverage) VALUES (?, ?, ?, ?, 'verify', "

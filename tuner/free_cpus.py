@@ -133,8 +133,8 @@ class FreeCpus:
         if got is None:
             return None
         if self._last is not None:
-            self._shared_ticks += share_of_pool(grown(got[0], self._last[0]),
-                                                list(grown_each(got[1], self._last[1])))
+            self._shared_ticks += share_of_pool(sum(grown(got[0], self._last[0])),
+                                                grown(got[1], self._last[1]))
         self._last = got
         return time.monotonic(), self._shared_ticks / self._tick
 
@@ -166,13 +166,9 @@ class FreeCpus:
                 self._latest = self.sample()
 
 
-def grown(now: dict, before: dict) -> int:
-    """How much the sources read both times grew in between (one first seen adds nothing)."""
-    return sum(max(0, v - before[k]) for k, v in now.items() if k in before)
-
-
-def grown_each(now: dict[int, int], before: dict[int, int]) -> Iterator[int]:
-    return (max(0, v - before[k]) for k, v in now.items() if k in before)
+def grown(now: dict, before: dict) -> list[int]:
+    """How much each source read both times grew in between (one first seen adds nothing)."""
+    return [max(0, v - before[k]) for k, v in now.items() if k in before]
 
 
 def share_of_pool(free: float, siblings_used: list[float]) -> float:
