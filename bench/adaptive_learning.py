@@ -55,19 +55,30 @@ def _each(fixed: dict[str, Server], fresh: Callable[[], Server], i: int, log,
 
 
 def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, conns: int,
-           seconds: float, window_s: float, rounds: int, log=print) -> list[dict[str, dict]]:
-    """Per round, per server: its windows (req/s, p50, p99 of each)."""
+           seconds: float, window_s: float, rounds: int, log=print,
+           settle_s: float = 0.0) -> list[dict[str, dict]]:
+    """Per round, per server: its windows (req/s, p50, p99 of each). A fresh mode 2 first
+    serves ``settle_s`` of the same load (``settle_windows``, other bodies) and is measured
+    after it, in the same windows as the fixed servers (which learn nothing: their req/s
+    does not depend on how long they have served)."""
     windows = max(1, round(seconds / window_s))
+    settle = round(settle_s / window_s)
     base = zlib.crc32(b"steady") % 10**6 * 100
 
-    def run(name: str, server: Server) -> dict:
+    def measure(name: str, server: Server, n: int, first_seed: int) -> list[dict]:
         ws = []
-        for k in range(windows):
-            r = wrk(server.url, script, conns, window_s, seed=base + k)
+        for k in range(n):
+            r = wrk(server.url, script, conns, window_s, seed=first_seed + k)
             ws.append({key: r[key] for key in ("rps", "p50_ms", "p99_ms", "requests",
                                                "non_2xx", "errors")})
-        log(f"  steady {name:34} " + " ".join(f"{w['rps']:5.1f}" for w in ws) + " req/s")
-        return {"windows": ws}
+        if ws:
+            log(f"  steady {name:34} " + " ".join(f"{w['rps']:5.1f}" for w in ws) + " req/s")
+        return ws
+
+    def run(name: str, server: Server) -> dict:
+        early = measure(name + " (settling)", server, settle, base + 5_000) \
+            if name == MODE2 else []
+        return {"windows": measure(name, server, windows, base), "settle_windows": early}
 
     out = []
     for i in range(rounds):
@@ -98,9 +109,13 @@ def regret(fixed: dict[str, Server], fresh: Callable[[], Server],
 
 
 def windows_rps(run: dict, part: str = "all") -> float:
-    """Req/s over a steady run's windows: all of them, or the second half (``late``)."""
+    """Req/s over a steady run's measured windows: all of them, the second half (``late``),
+    or with the settling windows before them (``learning``: a fresh mode 2 from its first
+    second; a fixed server has none)."""
     ws = run["windows"]
     ws = ws[len(ws) // 2:] if part == "late" else ws
+    if part == "learning":
+        ws = [*run.get("settle_windows", ()), *ws]
     return statistics.fmean(w["rps"] for w in ws)
 
 

@@ -4,7 +4,8 @@ with the targets of the adaptive-threads work judged on intervals at the end (SP
     python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--rounds 10]
                                   [--learn-seconds 60] [--max-num-batched-tokens 512]
                                   [--only levels oracle neighbour phases steady regret]
-                                  [--steady-seconds 120] [--window-seconds 10]
+                                  [--steady-seconds 60] [--steady-settle-seconds 120]
+                                  [--window-seconds 10]
                                   [--steady-rounds 6] [--regret-seconds 120]
                                   [--regret-share 0.6] [--regret-rounds 6]
                                   [--connections 64] [--quick] [--no-verify]
@@ -48,8 +49,11 @@ Sections (``--only``):
   per-phase oracle says what following the neighbour could gain over fixed 2.
 - ``steady`` (new): no learning phase. Per round (``--steady-rounds``), a fresh mode 2 and the
   fixed servers each at 16 closed-loop connections for ``--steady-seconds`` in consecutive
-  ``--window-seconds`` windows (wrk): does mode 2, learning from a fresh record under steady
-  load, reach the best fixed count, and how fast (the windows' req/s are printed per round).
+  ``--window-seconds`` windows (wrk); mode 2 first serves ``--steady-settle-seconds`` of the
+  same load (other bodies), from its first second: does mode 2, learning from a fresh record
+  under steady load, reach the best fixed count after that long, and what did learning cost
+  meanwhile (the windows' req/s are printed per round; the fixed servers learn nothing, so
+  their measured windows stand for the settling time too).
 - ``regret`` (new): per round (``--regret-rounds``), one open-loop trace at ``--regret-share``
   of capacity for ``--regret-seconds`` (the same bodies file and schedule for every server)
   sent to fixed 1, fixed 2, fixed 1 again and a fresh mode 2 (no learning phase); each
@@ -171,7 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--learn-seconds", type=float, default=60, help="learning phase, in all")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--steady-seconds", type=float, default=120, help="per server and round")
+    p.add_argument("--steady-seconds", type=float, default=60, help="per server and round")
+    p.add_argument("--steady-settle-seconds", type=float, default=120,
+                   help="steady: load mode 2 serves before it is measured (0: none)")
     p.add_argument("--window-seconds", type=float, default=10, help="steady: one window")
     p.add_argument("--steady-rounds", type=int, default=6, help="6: the fewest that judge")
     p.add_argument("--regret-seconds", type=float, default=120, help="the trace's length")
@@ -187,9 +193,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_load.json"))
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # its defaults; flags win
         p.set_defaults(seconds=2, learn_seconds=6, rounds=2, steady_seconds=4,
-                       window_seconds=2, steady_rounds=2, regret_seconds=3, regret_rounds=2)
+                       steady_settle_seconds=4, window_seconds=2, steady_rounds=2,
+                       regret_seconds=3, regret_rounds=2)
     args = p.parse_args(argv)
     args.no_verify = args.no_verify or (args.quick and not args.voucher)
+    if args.steady_settle_seconds < 0:
+        p.error("--steady-settle-seconds must be >= 0")
     for key in ("seconds", "learn_seconds", "steady_seconds", "window_seconds",
                 "regret_seconds", "regret_share"):
         if not getattr(args, key) > 0:
@@ -412,7 +421,7 @@ class Bench:
             if "steady" in only:
                 self.out["steady_rounds"] = adaptive_learning.steady(
                     fixed, fresh, self.mixed, 16, a.steady_seconds, a.window_seconds,
-                    a.steady_rounds)
+                    a.steady_rounds, settle_s=a.steady_settle_seconds)
             capacity = self.capacity(fixed) if "regret" in only else None
             if capacity:
                 rate = a.regret_share * capacity
@@ -498,8 +507,15 @@ def phases_table(out: dict) -> None:
 def steady_table(rounds: list[dict]) -> None:
     names = [n for n in rounds[0] if all(n in r for r in rounds)]
     windows = min(len(r[n]["windows"]) for r in rounds for n in names)
+    settling = [r[MODE2]["settle_windows"] for r in rounds if r.get(MODE2, {}).get(
+        "settle_windows")]
     print(f"### Steady load from the first second: 16 connections, req/s per window (median "
           f"over {len(rounds)} rounds; {MODE2}: a fresh record each round)\n")
+    if settling:
+        k = min(map(len, settling))
+        print(f"{MODE2} while it settles (before its measured windows): " + " ".join(
+            f"{statistics.median(s[i]['rps'] for s in settling):.1f}" for i in range(k))
+            + " req/s\n")
     print(md(["server", *(f"w{k + 1}" for k in range(windows)), "whole run", "second half"],
              [[n, *(statistics.median(r[n]["windows"][k]["rps"] for r in rounds)
                     for k in range(windows)),

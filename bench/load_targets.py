@@ -104,8 +104,12 @@ def steady_targets(out: dict) -> list[dict]:
     rows: list[dict] = []
     if not rounds:
         return rows
-    for part, label in (("all", "whole run, learning included"),
-                        ("late", "second half of the windows")):
+    settle = out.get("meta", {}).get("steady_settle_seconds") or 0
+    parts = (("all", f"after {settle:.0f} s of that load"),
+             ("learning", "learning included (its first second on; fixed servers alike)"),
+             ("late", "second half of the windows after it")) if settle else (
+        ("all", "whole run, learning included"), ("late", "second half of the windows"))
+    for part, label in parts:
         def ratio(a: str, b: str, part=part) -> list[float]:
             return paired_ratios([windows_rps(r[a], part) if a in r else None for r in rounds],
                                  [windows_rps(r[b], part) if b in r else None for r in rounds])
