@@ -78,7 +78,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
     record = RecordState(t.sync.scope, t.ledger.voucher, t.ledger.retired,
                          t.ledger.locked_reason, record_path, t.sync.error)
     return ReportInput(t.mode, t.configured, t.counts, ranges, record,
-                       DecisionRule(t.settings.margin, t.settings.min_samples),
+                       DecisionRule(t.settings.learning.margin, t.settings.learning.min_samples),
                        verified_passes=passes, uncovered=t.tally.uncovered,
                        shadow_error=t.side.error, learning={
                            "shadow_comparisons": t.ledger.comparisons, "audits": t.ledger.audits,
@@ -198,7 +198,8 @@ def build(inp: ReportInput) -> dict:
             "first_index": list(rec.drift.first_index),
             "served_value": rec.drift.served_value, "shadow_value": rec.drift.shadow_value},
         "locked_reason": rec.locked_reason,
-        "decision_statistic": DECISION_STATISTIC, "decision_margin": inp.decision.margin,
+        "decision_statistic": DECISION_STATISTIC,
+        "decision_margin": inp.decision.margin,
         "decision_min_samples": inp.decision.min_samples,
         "notes": notes,
         "ranges": ranges,
@@ -225,7 +226,8 @@ def off_report(configured: int | None, note: str = OFF_REASON,
         "voucher": {"comparisons": 0, "mismatches": 0, "swept": 0, "vouches": False,
                     "coverage": [], "shapes_verified": {}, "shape_mismatches": 0},
         "uncovered_forwards": 0, "learning": {}, "drift": None, "locked_reason": note,
-        "decision_statistic": DECISION_STATISTIC, "decision_margin": None,
+        "decision_statistic": DECISION_STATISTIC,
+        "decision_margin": None,
         "decision_min_samples": None, "notes": [note], "ranges": []})
 
 
