@@ -64,7 +64,7 @@ def run_once(share: float, seconds: float, tmp: str, seed: int) -> dict:
     runner = Runner(manifest, backend, EngineArgs(num_threads=1, max_num_seqs=1,
                                                   cache_entries=0))
     tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), scope, record,
-                            runner.engine.forward_batch, TunerSettings(learning_share=share),
+                            runner.engine.forward_batch, TunerSettings.of(learning_share=share),
                             shadow_forward=shadows.forward, on_close=shadows.close,
                             pause_shadows=shadows.pause,
                             paid_forward=lambda b, n: shadows.forward(b, n, paid=True))

@@ -33,7 +33,6 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +106,7 @@ def _summary(values: Sequence[float]) -> dict:
 
 def sweep(seeds: Sequence[int], only: Sequence[str]) -> dict:
     config = calibrated()
-    base = TunerSettings(background=False)
+    base = TunerSettings.of(background=False)
     out: dict = {"seeds": list(seeds), "scenarios": {}}
     for name in SCENARIOS:
         t0 = time.monotonic()
@@ -123,14 +122,14 @@ def sweep(seeds: Sequence[int], only: Sequence[str]) -> dict:
         rows = []
         for key in only:
             for value in SWEEP[key]:
-                if value == getattr(base, key):
+                if value == base.value(key):
                     lat = default
                 else:
-                    settings = replace(base, **{key: value})
+                    settings = base.with_(**{key: value})
                     lat = {s: _latency(config, _scenario(name, s, config), s, None, settings)
                            for s in seeds}
                 rows.append({"constant": key, "value": value,
-                             "default": value == getattr(base, key),
+                             "default": value == base.value(key),
                              "vs_best_fixed": _summary([lat[s] / fixed_best[s] for s in seeds]),
                              "vs_default": _summary([lat[s] / default[s] for s in seeds])})
                 print(f"{name} {key}={value}: vs best fixed "

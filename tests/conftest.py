@@ -296,7 +296,7 @@ def assert_same_spans(ours: list[dict], theirs: list[dict]) -> None:
 def _fast_settings():
     from vllm_srun.tuner.adaptive import TunerSettings
 
-    return TunerSettings(min_samples=3, window=3, audit_every=2, budget_fraction=1.0,
+    return TunerSettings.of(min_samples=3, window=3, audit_every=2, budget_fraction=1.0,
                          flush_s=0.0)
 
 

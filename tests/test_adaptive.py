@@ -9,7 +9,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -198,7 +197,7 @@ def budget_tuner(backends) -> tuple[AdaptiveThreads, list[float]]:
     a clock the test moves (``now[0]``, from 0)."""
     now = [0.0]
     runner, tuner = start(backends["onnxruntime"], None, AdaptiveMode.LEARN, 1, (1, 2),
-                          replace(FAST, background=False, budget_fraction=0.5))
+                          FAST.with_(background=False, budget_fraction=0.5))
     runner.stop()
     tuner.clock = lambda: now[0]
     tuner.side.budget.restart(0.0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vllm_srun.records.host_record import Scope
+from vllm_srun.tuner.contention import ContentionWatch
 from vllm_srun.tuner.estimator import (
     changed,
     choose,
@@ -14,6 +16,13 @@ from vllm_srun.tuner.estimator import (
     estimate,
     served_cost_ms,
 )
+from vllm_srun.tuner.learning import Learner
+from vllm_srun.tuner.ledger import ExactnessLedger
+from vllm_srun.tuner.modes import AdaptiveMode
+from vllm_srun.tuner.persistence import RecordSync
+from vllm_srun.tuner.ranges import RangeLearning
+from vllm_srun.tuner.settings import TunerSettings
+from vllm_srun.tuner.tally import Tally
 
 
 def test_the_estimate_is_the_median_with_an_order_statistic_interval():
@@ -65,3 +74,37 @@ def test_a_shadows_time_less_its_threads_run_delay_per_thread(forward_s, waited_
                                                               ms):
     got = served_cost_ms(forward_s, waited_s, threads)
     assert got is None if ms is None else got == pytest.approx(ms)
+
+
+def _learner(mode: AdaptiveMode = AdaptiveMode.LEARN) -> Learner:
+    settings = TunerSettings.of(background=False)
+    clock = [0.0]
+    return Learner(mode, 1, (1, 2), settings, ExactnessLedger(mode, 1, 8),
+                   RecordSync(None, Scope("test-host", "rev1", "onnxruntime"),
+                              lambda: clock[0]),
+                   ContentionWatch(settings, (1, 2), lambda: clock[0], None), Tally(), "w")
+
+
+def test_a_range_decides_by_time_per_padded_token_so_its_size_mix_does_not_hide_a_speedup():
+    """R4.13: a range spans sizes up to 2x apart (64-127 padded tokens), so its forwards' times
+    spread with the sizes its traffic brings. 2 threads 1.25x faster per token, 12 samples
+    each, sizes uniform in the range, 10% noise: by the forwards' ms the interval of 2 threads
+    reaches into the configured count's margin and the range keeps 1 thread; per token the
+    size mix leaves the interval and it learns 2. With no speed-up, it keeps 1 thread."""
+    def draws(speedup: float, seed: int) -> list[tuple[int, float, int]]:
+        rng = np.random.default_rng(seed)
+        return [(n, tokens * 0.5 / (speedup if n == 2 else 1.0) * rng.lognormal(0, 0.1),
+                 tokens) for _ in range(12) for n in (1, 2)
+                for tokens in [int(rng.integers(64, 128))]]
+
+    learner = _learner()
+    r = learner.ranges.setdefault(64, RangeLearning())
+    for count, ms, tokens in draws(1.25, seed=1):
+        learner.sample(64, r, count, ms, tokens)
+    assert choose(r.samples, (1, 2), 1, 12, 0.05) == 1  # the forwards' ms: undecided, kept 1
+    assert r.learned == 2 and learner.speedup(r) > 1.15
+    flat = _learner()
+    r = flat.ranges.setdefault(64, RangeLearning())
+    for count, ms, tokens in draws(1.0, seed=1):
+        flat.sample(64, r, count, ms, tokens)
+    assert r.learned == 1

@@ -34,7 +34,7 @@ def back_to_back(backend, share: float, forwards: int, mode: AdaptiveMode = Adap
     one is in flight); returns the tuner and the forward at which range 16-31 served 2. A
     shadow's threads each waited ``waited`` of its time for a CPU."""
     now = [0.0]
-    settings = TunerSettings(background=False, min_samples=4, window=4, learning_share=share)
+    settings = TunerSettings.of(background=False, min_samples=4, window=4, learning_share=share)
     paid_runs = []
 
     def shadow(batch, n, paid=False):
@@ -66,7 +66,7 @@ def test_a_paid_share_completes_the_window_under_back_to_back_load_within_its_sh
     tuner, at = back_to_back(backend, 0.02, 3000)
     assert at is not None and at < 3000, tuner.learner.ranges
     paid = tuner.side.paid
-    assert paid.paid_shadows >= tuner.settings.window  # the audits of exploring forwards
+    assert paid.paid_shadows >= tuner.settings.learning.window  # the audits of exploring forwards
     # paid time within 2% of served forward time, plus what the bucket may hold, plus one
     assert paid.paid_s <= 0.02 * paid.served_s + paid.cap_s + SHADOW_S
     learning = tuner.ledger

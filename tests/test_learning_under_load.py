@@ -146,7 +146,7 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
     runner, tuner, shadows = shadowed_runner(
         manifest, backend, AdaptiveMode.LEARN,
         Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
-        TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
+        TunerSettings.of(min_samples=3, window=3, budget_fraction=1.0),
         EngineArgs(num_threads=1, cache_entries=0))
     lo = size_range(120)[0]
 
@@ -201,7 +201,7 @@ def test_an_idle_worker_backs_off_a_shadow_that_other_tasks_cpus_held_up(tmp_pat
     runner, tuner, _ = shadowed_runner(
         manifest, backend, AdaptiveMode.LEARN,
         Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
-        TunerSettings(min_samples=3, budget_fraction=1.0),
+        TunerSettings.of(min_samples=3, budget_fraction=1.0),
         EngineArgs(num_threads=1, cache_entries=0))
     lo = size_range(120)[0]
     neighbour = None
@@ -258,7 +258,7 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     forwards = []
     runner, tuner, shadows = shadowed_runner(
         manifest, backend, AdaptiveMode.SERVE, scope, record,
-        TunerSettings(min_samples=3, window=3, budget_fraction=1.0),
+        TunerSettings.of(min_samples=3, window=3, budget_fraction=1.0),
         EngineArgs(num_threads=1, max_num_seqs=8, max_num_batched_tokens=320, cache_entries=0),
         on_forward=forwards.append, pause=recorded)
     stop = threading.Event()
@@ -335,7 +335,7 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
     forwards = []
     runner, tuner, _ = shadowed_runner(
         manifest, backend, AdaptiveMode.SERVE, scope, record,
-        TunerSettings(min_samples=6, window=3, budget_fraction=1.0),
+        TunerSettings.of(min_samples=6, window=3, budget_fraction=1.0),
         EngineArgs(num_threads=1, cache_entries=0), on_forward=forwards.append,
         free_cpus=free_cpus)
     lo = size_range(128)[0]
@@ -439,7 +439,7 @@ def learning_runner(tmp_path):
     runner, tuner, _ = shadowed_runner(
         manifest, backend, AdaptiveMode.LEARN,
         Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
-        TunerSettings(min_samples=6, budget_fraction=1.0),
+        TunerSettings.of(min_samples=6, budget_fraction=1.0),
         EngineArgs(num_threads=1, cache_entries=0), pause=pause)
     return runner, tuner, pauses
 

@@ -120,7 +120,7 @@ def test_a_served_forward_never_waits_for_a_shadow_and_its_overlap_is_not_a_samp
     backend = GatedTwin(load_backend(resolve(L6), "onnxruntime"))
     runner = Runner(resolve(L6), backend, EngineArgs(num_threads=1, cache_entries=0))
     tuner = _tuner(runner, backend,
-                   TunerSettings(min_samples=3, budget_fraction=1.0))
+                   TunerSettings.of(min_samples=3, budget_fraction=1.0))
     try:
         first = runner.engine.submit([row(100)]).result(timeout=60)
         assert backend.inside.wait(60)  # a shadow of it is now in the middle of its forward
@@ -147,7 +147,7 @@ def test_ranges_that_only_load_reaches_get_learned():
     runner = Runner(manifest, backend, EngineArgs(num_threads=1, cache_entries=0),
                     on_forward=forwards.append)
     tuner = _tuner(runner, backend,
-                   TunerSettings(min_samples=3, budget_fraction=1.0))
+                   TunerSettings.of(min_samples=3, budget_fraction=1.0))
     stop = threading.Event()
 
     def client(i: int) -> None:
@@ -219,7 +219,7 @@ def test_a_killed_shadow_process_stops_no_serving_and_the_report_counts_it():
     shadow_forward, close = shadow_process(manifest, "onnxruntime")
     tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", manifest.revision, "o"),
                             None, runner.engine.forward_batch,
-                            TunerSettings(min_samples=3, budget_fraction=1.0),
+                            TunerSettings.of(min_samples=3, budget_fraction=1.0),
                             shadow_forward=shadow_forward, on_close=close)
     runner.engine.threads = tuner
     runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer)))

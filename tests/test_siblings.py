@@ -12,7 +12,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
@@ -44,7 +43,7 @@ M = resolve(L6)
 SCOPE = Scope("test-host", M.revision, "onnxruntime")
 COUNTS = (1, 2, 3)
 # the change detector (R4.11) off: this loaded host's noise must not relearn a range mid-test
-STEADY = replace(FAST, relearn_factor=1000.0)
+STEADY = FAST.with_(relearn_factor=1000.0)
 # one row of up to 256 tokens at counts 1-3, as a sweep would vouch (onnxruntime is
 # bit-identical across counts here, FACTS.md; every shadow still checks it bit for bit)
 SWEEP = plan_sweep(ShapeBounds(1, 256, 256)).coverage(COUNTS)
@@ -160,8 +159,8 @@ def test_a_worker_starts_from_a_live_siblings_count_and_serves_it_after_its_own_
             r = b.learner.ranges[64]
             assert (r.learned, r.phase, r.learned_from) == (1, Phase.SERVING, "sibling")
             assert served_before_window == 0 and served_after_window >= 3
-            assert timed_at_three == 0 and len(r.samples[1]) >= FAST.min_samples
-            assert b.ledger.progress(64, 1) >= FAST.window
+            assert timed_at_three == 0 and len(r.samples[1]) >= FAST.learning.min_samples
+            assert b.ledger.progress(64, 1) >= FAST.learning.window
             (b_row,) = [x for x in build(from_tuner(b))["ranges"] if x["size_range"] == "64-127"]
             (a_row,) = [x for x in build(from_tuner(a))["ranges"] if x["size_range"] == "64-127"]
             assert (b_row["learned_from"], a_row["learned_from"]) == ("sibling", "own")
@@ -204,7 +203,7 @@ def test_a_candidate_its_own_timing_rejects_sends_the_range_exploring(onnx, tmp_
         b.poll_record()
         r = b.learner.ranges[64]
         assert r.candidate is None and r.rejected == {2} and r.learned_from == "own"
-        assert len(r.samples[3]) >= FAST.min_samples and r.learned != 2
+        assert len(r.samples[3]) >= FAST.learning.min_samples and r.learned != 2
     finally:
         runner.stop()
 

@@ -46,8 +46,8 @@ def report(mode=AdaptiveMode.LEARN, learned=None, serving=False, voucher=Voucher
     r = RangeLearning(phase, samples=samples if samples is not None else {1: STEADY, 2: FAST},
                       learned=learned)
     return build(ReportInput(mode, 1, (1, 2), {32: r}, RecordState(SCOPE, voucher, drift, locked),
-                             DecisionRule(S.margin, S.min_samples),
-                             verified_passes={32: S.window if serving else 0}))
+                             DecisionRule(S.learning.margin, S.learning.min_samples),
+                             verified_passes={32: S.learning.window if serving else 0}))
 
 
 def test_the_decision_statistic_is_named_and_is_the_one_the_decision_uses():
@@ -55,9 +55,12 @@ def test_the_decision_statistic_is_named_and_is_the_one_the_decision_uses():
     p90; the learned count follows it: a count fast in a quiet quarter of its samples only
     does not win."""
     samples = {1: STEADY, 2: NOISY}
-    rep = report(learned=choose(samples, (1, 2), 1, S.min_samples, S.margin), samples=samples)
+    rule = S.learning
+    rep = report(learned=choose(samples, (1, 2), 1, rule.min_samples, rule.margin),
+                 samples=samples)
     (rng,) = rep["ranges"]
     assert rep["decision_statistic"] == DECISION_STATISTIC == "median_ms"
+    assert rep["decision_per"] == "padded_token"  # each sample over its padded tokens
     e = estimate(NOISY)
     assert rng["counts"]["2"] == {"median_ms": 40.0, "interval_ms": [e.low_ms, e.high_ms],
                                   "p90_ms": 40.0, "samples": 12}
@@ -125,7 +128,7 @@ def test_a_worker_restarted_after_drift_reports_retired(tmp_path):
         raise AssertionError("forwarded")
 
     tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, (1, 2), SCOPE, record, never,
-                            TunerSettings(background=False))
+                            TunerSettings.of(background=False))
     from vllm_srun.tuner.report import from_tuner
 
     live = build(from_tuner(tuner))

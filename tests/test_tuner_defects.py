@@ -127,7 +127,7 @@ def test_an_idle_hour_banks_no_more_than_the_budget_window_of_shadow_time():
         now[0] += 0.1
         return result
 
-    settings = TunerSettings(background=False, budget_fraction=0.5, budget_window_s=10.0,
+    settings = TunerSettings.of(background=False, budget_fraction=0.5, budget_window_s=10.0,
                              min_samples=10**6)  # the range explores all along: always due
     tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", manifest.revision, "o"),
                             None, backend.forward, settings, clock=lambda: now[0],
@@ -146,10 +146,11 @@ def test_an_idle_hour_banks_no_more_than_the_budget_window_of_shadow_time():
         return tuner.side.budget.used_s - before
 
     now[0] = hour = 3600.0  # an idle hour since start-up
-    cap = settings.budget_fraction * settings.budget_window_s  # 5 s banked at most
+    spend = settings.spending
+    cap = spend.budget_fraction * spend.budget_window_s  # 5 s banked at most
 
     def bound() -> float:  # the most shadow time since the hour ended: rate, bank, overdraw
-        return settings.budget_fraction * (now[0] - hour) + cap + 0.1 + 1e-9
+        return settings.spending.budget_fraction * (now[0] - hour) + cap + 0.1 + 1e-9
 
     burst = shadows_run_at_once(1)  # back to back: the bank, plus the rate meanwhile
     assert cap <= burst <= bound() and burst <= 10.2, burst  # unbanked: all 400 (40 s)
@@ -232,13 +233,12 @@ def test_a_served_forward_reads_no_proc_file_and_the_free_cores_still_update(
     import builtins
     import threading
     import time
-    from dataclasses import replace
 
     from vllm_srun.tuner import free_cpus
 
     # mode 2, vouched: the range explores all along on served forwards, each of which
     # consults the free cores (whatever the shadow side does meanwhile)
-    made, runner = worker(L3, tmp_path, AdaptiveMode.SERVE, replace(FAST, min_samples=10**6))
+    made, runner = worker(L3, tmp_path, AdaptiveMode.SERVE, FAST.with_(min_samples=10**6))
     vouch(made, tmp_path)
     tuner = made.tuner
     opened: list[tuple[int, str]] = []  # (thread id, path)

@@ -12,7 +12,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -167,7 +166,7 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
         return context.run(1, lambda: backend.forward(pad([row(n, salt)]), 1)).outputs
 
     slow = SlowerAt(backend, 1, 1000.0)  # 2 threads learned, whatever this host's timings
-    settings = replace(FAST, min_samples=2, window=2)  # 2-thread forwards are slow here
+    settings = FAST.with_(min_samples=2, window=2)  # 2-thread forwards are slow here
     a, ta = start(slow, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS, settings)
     b, tb = start(slow, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS, settings)
     ta.learner.worker, tb.learner.worker = "replica a pid 1", "replica b pid 2"
@@ -182,7 +181,7 @@ def test_torch_mode2_real_mismatch_never_served_and_retires_every_worker(tmp_pat
                 out = serve_paced(runner, tuner, row(n, i))
                 assert runner.served[-1].num_threads == 2
                 assert np.array_equal(output_bits(out), output_bits(reference(n, i)))
-        for i in range(2 * FAST.audit_every):  # the drifting shape, until a probe meets it
+        for i in range(2 * FAST.learning.audit_every):  # the drifting shape, until a probe meets it
             out = serve_paced(a, ta, row(drifting, i))
             assert a.served[-1].num_threads == 1  # not covered: the configured count
             assert np.array_equal(output_bits(out), output_bits(reference(drifting, i)))
@@ -318,7 +317,7 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     assert {(5, 205), (6, 256)} <= set(plan.shapes)  # its stratum's smallest and largest
     record.add_voucher(Scope("test-host", M.revision, "onnxruntime"), "verify",
                        len(plan.shapes), 0, plan.coverage(COUNTS))
-    settings = replace(FAST, min_samples=2, window=2)  # forwards of 1,000+ tokens are slow here
+    settings = FAST.with_(min_samples=2, window=2)  # forwards of 1,000+ tokens are slow here
     runner, tuner = start(SlowerAt(backend, 1, 1000.0), record, AdaptiveMode.SERVE, 1, COUNTS,
                           settings)
     rows = {shape: [row(shape[1], salt) for salt in range(shape[0])]

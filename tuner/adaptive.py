@@ -84,7 +84,7 @@ class AdaptiveThreads:
         self.forward = forward
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self.sync = RecordSync(record, scope, now)
-        self.ledger = ExactnessLedger(mode, configured, s.window)
+        self.ledger = ExactnessLedger(mode, configured, s.learning.window)
         self.contention = ContentionWatch(s, self.counts, now, free_cpu_s)
         self.tally = Tally()  # what timed and checked what, for the report
         self.learner = Learner(mode, configured, self.counts, s, self.ledger, self.sync,

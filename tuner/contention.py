@@ -29,7 +29,7 @@ FreeCpuReading = Callable[[], "tuple[float, float] | None"]
 class ContentionWatch:
     def __init__(self, settings: TunerSettings, counts: tuple[int, ...],
                  clock: Callable[[], float], free_cpu_s: FreeCpuReading | None) -> None:
-        self.settings, self.counts, self.clock = settings, counts, clock
+        self.settings, self.counts, self.clock = settings.contention, counts, clock
         # the last reading of the CPU seconds other tasks left this worker so far, and when
         # it was taken on ``clock`` (``FreeCpus.latest``: read off the served path), or None
         self.free_cpu_s = free_cpu_s
@@ -58,7 +58,7 @@ class ContentionWatch:
         """The median of the last few served forwards at ``n`` over their ranges' times at
         ``n`` when learned (per token), from the last ``contention_fresh_s``; 1.0 (the host
         as it was when learned) when there are none."""
-        since = self.clock() - self.settings.contention_fresh_s
+        since = self.clock() - self.settings.fresh_s
         kept = [x for at, x in self._slowdowns.get(n, ()) if at >= since]
         return statistics.median(kept) if kept else 1.0  # a few: np.median costs 15 us
 
@@ -91,9 +91,9 @@ class ContentionWatch:
                  and (base := r.baselines.get((n, "shadow"))) is not None
                  and vouched(n)]
         if at_big is None or not below or not held and (
-                slowed < s.contention_slowdown or (
+                slowed < s.slowdown or (
                     rate is None
-                    and at_big * slowed <= min(below)[0] * (1 + s.contention_margin))):
+                    and at_big * slowed <= min(below)[0] * (1 + s.margin))):
             self._contended_since.pop(lo, None)
             return big, None
         small = self._fits(below, rate) if rate is not None else min(below)[1]
@@ -105,7 +105,7 @@ class ContentionWatch:
             self._contended_since[lo] = now
             log.info("threads_contended range=%d-%d serving=%d slowdown=%.2f", lo,
                      2 * lo - 1, small, slowed)
-        elif now - max(since, self._held_since(big)) > s.contention_relearn_s:
+        elif now - max(since, self._held_since(big)) > s.relearn_s:
             # contended all along: since it began, no window left the cores free (a range
             # served every few seconds saw a neighbour 2 s of every 4 and relearned 6-9 times
             # in 9 minutes on the simulator, measuring from its own first contended forward),
@@ -122,7 +122,7 @@ class ContentionWatch:
             self.freed += 1
             log.info("threads_contention_over range=%d-%d serving=%d", lo, 2 * lo - 1, big)
             return big, None
-        if freed is None and now - self._last_probe >= s.contention_probe_s:
+        if freed is None and now - self._last_probe >= s.probe_s:
             self._last_probe = now
             return big, "probe"
         return small, "fallback"
@@ -136,7 +136,7 @@ class ContentionWatch:
         1-thread slowdown still held the last phase's (1.4-1.55x; 1 thread then ran 1.2x
         faster than 2, per token): beside the neighbour at 16 connections, mode 2 began
         serving 1 thread 0.27-0.52 s into a 2-s phase, and in one of six not at all."""
-        fit = [n for _, n in below if n <= rate[0] + self.settings.contention_free_slack]
+        fit = [n for _, n in below if n <= rate[0] + self.settings.free_slack]
         return max(fit) if fit else min(n for _, n in below)
 
     def _cores_free(self, now: float, n: int) -> bool:
@@ -154,7 +154,7 @@ class ContentionWatch:
         rate = self._free_cores(now)
         if not self._free_ok:
             return False
-        return rate is not None and rate[0] > n - self.settings.contention_held_min
+        return rate is not None and rate[0] > n - self.settings.held_min
 
     def _freed(self, now: float, learned: int, since: float | None) -> bool | None:
         """Contention is over: over a whole window begun after the fallback began, other
@@ -166,7 +166,7 @@ class ContentionWatch:
             return None if not self._free_ok else False
         cores, began = rate
         return since is not None and began >= since and \
-            cores >= learned - self.settings.contention_held_end
+            cores >= learned - self.settings.held_end
 
     def _free_cores(self, now: float) -> tuple[float, float] | None:
         """The cores other tasks left this worker over the last whole window of at least
@@ -176,7 +176,7 @@ class ContentionWatch:
         if self.free_cpu_s is None:
             self._free_ok = False
             return None
-        mark, window = self._free_mark, self.settings.contention_free_window_s
+        mark, window = self._free_mark, self.settings.free_window_s
         reading = self.free_cpu_s()
         self._free_ok = reading is not None
         # a reading over 10 windows old says nothing of now (the reader rests while no
@@ -195,7 +195,7 @@ class ContentionWatch:
         if self._free_rate is not None:  # which counts' cores this window left free (as
             # ends contention: a window between the thresholds is no break in it, else a
             # range contended there would neither end it nor relearn, for good)
-            end = self.settings.contention_held_end
+            end = self.settings.held_end
             self._free_at.update({n: now for n in self.counts
                                   if self._free_rate[0] >= n - end})
         return self._free_rate
@@ -212,9 +212,9 @@ class ContentionWatch:
         real host, 64-127 padded tokens: 8 of 15 at 2 threads the neighbour's, and it
         learned 1 thread)."""
         rate = self._free_cores(now)
-        if rate is None or rate[0] >= n - self.settings.contention_free_slack:
+        if rate is None or rate[0] >= n - self.settings.free_slack:
             return False
-        return now - self._held_since(n) < self.settings.contention_relearn_s
+        return now - self._held_since(n) < self.settings.relearn_s
 
     def _held_since(self, n: int) -> float:
         """Since when windows have seen other tasks hold ``n`` threads' cores without a
@@ -228,7 +228,7 @@ class ContentionWatch:
         may meet a neighbour the kernel descheduled for a moment)."""
         kept = self._slowdowns.setdefault(n, deque(maxlen=5))
         if probe:
-            fast = slowdown < self.settings.contention_slowdown
+            fast = slowdown < self.settings.slowdown
             self._fast_probes = self._fast_probes + 1 if fast else 0
             if self._fast_probes >= 2:
                 kept.clear()

@@ -3,7 +3,10 @@ functions over timing samples; no clock, no lock, no state.
 
 The statistic: the **median** of a count's most recent samples in its range (the caller keeps
 the last ``max_samples``: that is the horizon), with an order-statistic interval of about 80%
-confidence (``estimate``). Samples are what a served forward at that count takes now:
+confidence (``estimate``). The learner decides on each sample's time per padded token (a
+range spans sizes up to 2x apart: per token, the size mix within it leaves the interval);
+the report shows the same samples in ms. Samples are what a served forward at that count
+takes now:
 
 - served forwards at that count (mode 2 serves vouched counts in turn while a range explores:
   these are the main samples, normal priority, beside whatever the host runs);

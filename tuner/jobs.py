@@ -33,7 +33,7 @@ class JobBoard:
         self.backlog: dict[int, deque[ShadowJob]] = {}
         self.starved_since: dict[int, float] = {}  # range -> since when payable work waits
         self.replaced = 0  # shadow batches a newer batch of their range replaced, not run
-        self._window, self._starved_s = settings.window, settings.starved_s
+        self._window, self._starved_s = settings.learning.window, settings.spending.starved_s
         # the ranges' state, as the learner keeps it, and the counts one still needs
         self._ledger, self._ranges, self._need = ledger, ranges, need
 

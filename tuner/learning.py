@@ -59,7 +59,8 @@ class Learner:
     # -- what a range needs ----------------------------------------------------------------
     def need(self, r: RangeLearning) -> list[int]:
         """Counts an exploring range still lacks ``min_samples`` of (``explored``)."""
-        return counts_needing_samples(r.samples, self.explored(r), self.settings.min_samples)
+        return counts_needing_samples(r.samples, self.explored(r),
+                                      self.settings.learning.min_samples)
 
     def explored(self, r: RangeLearning) -> tuple[int, ...]:
         """The counts a range times: a sibling's candidate and the configured count, or all."""
@@ -143,7 +144,7 @@ class Learner:
             # neighbour that comes and goes restarted it, again and again, before it could
             # pass)
             self.watch(lo, r, (result.num_threads, "served"), per_token,
-                       self.settings.relearn_window)
+                       self.settings.learning.relearn_window)
 
     def shadow_counts(self, lo: int, served: int, contention: str | None) -> list[int]:
         """The counts to run as shadows of range ``lo``'s batch just served at ``served``
@@ -154,7 +155,7 @@ class Learner:
             r.served_at_learned += 1
         window_due = self.ledger.window_due(lo, r.learned)
         counts = shadow_plan(need, window_due, r.learned, served, self.counts,
-                             r.served_at_learned, self.settings.audit_every)
+                             r.served_at_learned, self.settings.learning.audit_every)
         if r.serving and contention is None and served == self.configured \
                 and r.learned not in counts and r.learned != self.configured:
             counts = [r.learned, *counts]  # a shape no voucher covers yet: verify it
@@ -213,7 +214,7 @@ class Learner:
 
     # -- the steps -------------------------------------------------------------------------
     def sample(self, lo: int, r: RangeLearning, count: int, ms: float, tokens: int) -> None:
-        keep = self.settings.max_samples
+        keep = self.settings.learning.max_samples
         for store, value in ((r.samples, ms), (r.per_token, ms / tokens)):
             kept = store.setdefault(count, [])
             kept.append(value)
@@ -222,13 +223,17 @@ class Learner:
         if r.exploring:
             self.update(lo, r)
         else:
-            self.watch(lo, r, (count, "shadow"), ms / tokens, self.settings.probe_window)
+            self.watch(lo, r, (count, "shadow"), ms / tokens, self.settings.learning.probe_window)
 
     def update(self, lo: int, r: RangeLearning) -> None:
         """An exploring range took a sample: learn a count once the estimator chooses one
-        (``estimator.choose``)."""
-        s = self.settings
-        new = choose(r.samples, self.explored(r), self.configured, s.min_samples, s.margin)
+        (``estimator.choose``) by each count's time per padded token: a range spans sizes up
+        to 2x apart, and its forwards' times with them, which widened each count's interval
+        so that a count 1.2x faster was learned from 12 samples in about half of the draws
+        (sizes uniform over a range, 10-15% noise; per token, 77-95%, with fewer counts
+        learned where none was faster: ``tests/test_estimator.py``)."""
+        s = self.settings.learning
+        new = choose(r.per_token, self.explored(r), self.configured, s.min_samples, s.margin)
         if new is None:
             return
         if r.candidate is not None and new != r.candidate:  # its own timing rejects it
@@ -266,7 +271,7 @@ class Learner:
                  lo, 2 * lo - 1, r.learned, self.ledger.progress(lo, r.learned))
 
     def speedup(self, r: RangeLearning) -> float:
-        return speedup(r.samples, self.configured, r.learned or self.configured) or 1.0
+        return speedup(r.per_token, self.configured, r.learned or self.configured) or 1.0
 
     def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
               window: int) -> None:
@@ -285,7 +290,7 @@ class Learner:
         if baseline is None:
             r.baselines[key] = typical(recent)
             return
-        if changed(recent, baseline, self.settings.relearn_factor):
+        if changed(recent, baseline, self.settings.learning.relearn_factor):
             log.info("threads_relearn range=%d-%d num_threads=%d forwards=%s ratio=%.2f",
                      lo, 2 * lo - 1, key[0], key[1], typical(recent) / baseline)
             # a probe moved: the verified count serves on meanwhile; not if it slowed

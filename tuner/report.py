@@ -27,6 +27,9 @@ CBWR_REMEDY = ("answers drifted across thread counts with the torch backend; sta
                "of host bit-identical across counts, then `vllm-srun threads reset`")
 # the statistic ``estimator.choose`` compares counts by, as named in reports
 DECISION_STATISTIC = "median_ms"
+# ... of each sample over its padded tokens (``learning.Learner.update``): what the learner
+# compares; the report shows the counts' medians in ms beside it
+DECISION_PER = "padded_token"
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
     record = RecordState(t.sync.scope, t.ledger.voucher, t.ledger.retired,
                          t.ledger.locked_reason, record_path, t.sync.error)
     return ReportInput(t.mode, t.configured, t.counts, ranges, record,
-                       DecisionRule(t.settings.margin, t.settings.min_samples),
+                       DecisionRule(t.settings.learning.margin, t.settings.learning.min_samples),
                        verified_passes=passes, uncovered=t.tally.uncovered,
                        shadow_error=t.side.error, learning={
                            "shadow_comparisons": t.ledger.comparisons, "audits": t.ledger.audits,
@@ -137,7 +140,8 @@ def build(inp: ReportInput) -> dict:
                 {"median_ms": None, "interval_ms": None, "p90_ms": None, "samples": 0})
         served = inp.configured if rec.drift is not None or rec.locked_reason else \
             wanted_count(r, inp.configured)
-        up = speedup(r.samples, inp.configured, r.learned) if r.learned else None
+        # as the learner has it: per padded token (a record's report: its stored ms)
+        up = speedup(r.per_token or r.samples, inp.configured, r.learned) if r.learned else None
         ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
                        "counts": per_count, "learned_threads": r.learned,
                        "speedup": round(up, 3) if up else None,
@@ -198,7 +202,8 @@ def build(inp: ReportInput) -> dict:
             "first_index": list(rec.drift.first_index),
             "served_value": rec.drift.served_value, "shadow_value": rec.drift.shadow_value},
         "locked_reason": rec.locked_reason,
-        "decision_statistic": DECISION_STATISTIC, "decision_margin": inp.decision.margin,
+        "decision_statistic": DECISION_STATISTIC, "decision_per": DECISION_PER,
+        "decision_margin": inp.decision.margin,
         "decision_min_samples": inp.decision.min_samples,
         "notes": notes,
         "ranges": ranges,
@@ -225,7 +230,8 @@ def off_report(configured: int | None, note: str = OFF_REASON,
         "voucher": {"comparisons": 0, "mismatches": 0, "swept": 0, "vouches": False,
                     "coverage": [], "shapes_verified": {}, "shape_mismatches": 0},
         "uncovered_forwards": 0, "learning": {}, "drift": None, "locked_reason": note,
-        "decision_statistic": DECISION_STATISTIC, "decision_margin": None,
+        "decision_statistic": DECISION_STATISTIC, "decision_per": DECISION_PER,
+        "decision_margin": None,
         "decision_min_samples": None, "notes": [note], "ranges": []})
 
 

@@ -87,7 +87,7 @@ class SharingBackoff:
     next one waits for (``quiet``), and a backoff after several that other tasks held up."""
 
     def __init__(self, settings: TunerSettings, now: float) -> None:
-        self.settings = settings
+        self.settings = settings.gaps
         # idle time a shadow that shares the served forwards' cores waits for before it
         # starts: doubled each time one was cut into (or waited for CPUs), halved when clean
         self._quiet_s = 0.0
@@ -123,11 +123,12 @@ class SharingBackoff:
 class ShadowGate:
     def __init__(self, settings: TunerSettings, configured: int, top: int,
                  clock: Callable[[], float]) -> None:
-        self.settings, self.configured, self.top, self.clock = settings, configured, top, clock
+        self.settings, self.configured, self.top, self.clock = (settings.gaps, configured,
+                                                                top, clock)
         self.idle_since = clock()  # when the last served forward ended
         self.gaps: deque[float] = deque(maxlen=GAPS_KEPT)  # idle gaps between served ones
         self.last_served = configured  # the count the last served forward ran at
-        self.busy = BusyWindow(settings.busy_window_s)
+        self.busy = BusyWindow(self.settings.busy_window_s)
         # the shadow loop waits for a gap that no served forward's end brings, only time
         # (all that is due waits for a gap, the busy share is over ``busy_max``): a served
         # forward that ends wakes it only once that share is under, or at ``floor_due``

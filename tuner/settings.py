@@ -1,10 +1,17 @@
-"""The tuner's settings (R4.5-R4.7, R4.11): every knob of adaptive threads in one frozen
-dataclass, each with its default and why. A value chosen from one run on one host is a guess
-and says so."""
+"""The tuner's settings (R4.5-R4.7, R4.11): every knob of adaptive threads, each with its
+default and why, in four groups, one per part that reads them (``Learning``: the estimator
+and the ledger's window; ``Spending``: what shadows may take; ``Gaps``: when an idle-class
+shadow may start; ``Contention``: mode 2 beside a neighbour). A value chosen from one run on
+one host is a guess and says so.
+
+``TunerSettings.of`` takes any knob by its flat name (``of(min_samples=3, busy_max=1.0,
+contention_held_min=0.5)``) and ``with_`` replaces some of them: tests and the sweep name a
+knob without its group.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 from vllm_srun.tuner.share import DEFAULT_SHARE
 
@@ -15,11 +22,19 @@ from vllm_srun.tuner.share import DEFAULT_SHARE
 # ``relearn_factor``, ``max_samples``, ``budget_fraction``, ``starved_s``. No other value
 # resolved better than the default in any scenario; ``min_samples`` 24 resolved worse.
 @dataclass(frozen=True)
-class TunerSettings:
+class Learning:
     min_samples: int = 12  # clean timed shadows per count per range before a count is learned
     window: int = 8  # mode 2: consecutive verified shadows before a learned count serves
     margin: float = 0.05  # a non-configured count must be this much faster
     audit_every: int = 8  # every Nth forward of a learned range: a probe (and audit) shadow
+    relearn_factor: float = 1.5  # time at the learned count moved this much: explore again
+    relearn_window: int = 16  # served forwards at one count each relearning check rests on
+    probe_window: int = 4  # probe shadows at one count each relearning check rests on
+    max_samples: int = 48  # recent samples per count per range that decisions rest on
+
+
+@dataclass(frozen=True)
+class Spending:
     budget_fraction: float = 0.5  # shadow time at most this share of wall time
     # ... of which idle time banks at most this long's worth: over any stretch, shadows
     # take at most ``budget_fraction`` of it plus ``budget_fraction * budget_window_s``
@@ -29,35 +44,18 @@ class TunerSettings:
     # a whole transition window of short ones fit in it, so a lull after load still
     # passes a range's window in one go
     budget_window_s: float = 10.0
-    relearn_factor: float = 1.5  # time at the learned count moved this much: explore again
-    relearn_window: int = 16  # served forwards at one count each relearning check rests on
-    probe_window: int = 4  # probe shadows at one count each relearning check rests on
-    flush_s: float = 2.0  # how often learnings are written to the record
-    max_samples: int = 48  # recent samples per count per range that decisions rest on
-    background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
-    watch_s: float = 0.5  # how often drift and the voucher are read back from the record
-    # mode 2 under contention: a learned count that now runs slower than a count below it
-    # would (host-wide slowdowns of each count, served forwards)
-    contention_slowdown: float = 1.25  # once it runs this much slower than when learned
-    contention_margin: float = 0.1  # ... by this much: that count serves meanwhile,
-    contention_probe_s: float = 0.25  # one forward at the learned count this often tells when
-    contention_relearn_s: float = 10.0  # it is over; still on after this long: relearn there
-    contention_fresh_s: float = 5.0  # how long a served forward's slowdown counts
-    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it starts only
-    # once other tasks hold at least ``contention_held_min`` of the learned count's cores
-    # over a window of ``contention_free_window_s``, and is over once a window begun after
-    # it started sees them hold at most ``contention_held_end``: below the start, so a
-    # reading between the two neither starts nor ends it (with the end at 0.5, above the
-    # start, any reading between both started and ended it, flapping window by window).
-    # 0.125: an eighth of a core, under half the start; a quiet host's 0.1-s windows read
-    # 0-0.11 held (10th-90th percentile, ``_cores_free``), so most quiet windows end it
-    # (one measurement on one 2-core host: a guess, not swept)
-    contention_free_window_s: float = 0.1
-    contention_held_min: float = 0.25
-    contention_held_end: float = 0.125
-    # which counts fit the cores other tasks leave (``_fits``, ``_cores_busy``): to within
-    # this much of a core
-    contention_free_slack: float = 0.5
+    # R4.5 amended: where no idle CPU comes, learning takes at most this share of served
+    # forward time (``share.PaidShare``; ``--learning-share``)
+    learning_share: float = DEFAULT_SHARE
+    # ... for a due shadow (mode 2's window, or timing a count mode 1 lacks samples of) of a
+    # range that made no progress in this long: the gaps of Poisson traffic at half of
+    # capacity are tens of ms, so a second without one that lets it run is no idle CPU; short
+    # against the two minutes in which learning must complete (swept: see above)
+    starved_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Gaps:
     quiet_max_s: float = 1.0  # the most idle time a core-sharing shadow waits for (_quiet_s)
     # ... which halves each this many seconds too: gaps shorter than it, always, would
     # otherwise keep every such shadow out for good (mode 1 under steady 35-ms gaps, after
@@ -82,11 +80,81 @@ class TunerSettings:
     busy_window_s: float = 1.0  # the last this many seconds
     thaw_hold_s: float = 0.005  # a frozen shadow side stays so this long at most after a
     # served forward ends (twice the recent idle gaps): back-to-back forwards, one freeze
-    # R4.5 amended: where no idle CPU comes, learning takes at most this share of served
-    # forward time (``share.PaidShare``; ``--learning-share``)
-    learning_share: float = DEFAULT_SHARE
-    # ... for a due shadow (mode 2's window, or timing a count mode 1 lacks samples of) of a
-    # range that made no progress in this long: the gaps of Poisson traffic at half of
-    # capacity are tens of ms, so a second without one that lets it run is no idle CPU; short
-    # against the two minutes in which learning must complete (swept: see above)
-    starved_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Mode 2 under contention (``contention.ContentionWatch``): a learned count that now runs
+    slower than a count below it would (host-wide slowdowns of each count, served forwards).
+    Flat names (``TunerSettings.of``) carry the prefix ``contention_``."""
+
+    slowdown: float = 1.25  # once it runs this much slower than when learned
+    margin: float = 0.1  # ... by this much: that count serves meanwhile,
+    probe_s: float = 0.25  # one forward at the learned count this often tells when
+    relearn_s: float = 10.0  # it is over; still on after this long: relearn there
+    fresh_s: float = 5.0  # how long a served forward's slowdown counts
+    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it starts only
+    # once other tasks hold at least ``held_min`` of the learned count's cores over a window
+    # of ``free_window_s``, and is over once a window begun after it started sees them hold
+    # at most ``held_end``: below the start, so a reading between the two neither starts nor
+    # ends it (with the end at 0.5, above the start, any reading between both started and
+    # ended it, flapping window by window). 0.125: an eighth of a core, under half the
+    # start; a quiet host's 0.1-s windows read 0-0.11 held (10th-90th percentile,
+    # ``_cores_free``), so most quiet windows end it (one measurement on one 2-core host: a
+    # guess, not swept)
+    free_window_s: float = 0.1
+    held_min: float = 0.25
+    held_end: float = 0.125
+    # which counts fit the cores other tasks leave (``_fits``, ``_cores_busy``): to within
+    # this much of a core
+    free_slack: float = 0.5
+
+
+_GROUPS = {"learning": (Learning, ""), "spending": (Spending, ""), "gaps": (Gaps, ""),
+           "contention": (Contention, "contention_")}
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    learning: Learning = field(default_factory=Learning)
+    spending: Spending = field(default_factory=Spending)
+    gaps: Gaps = field(default_factory=Gaps)
+    contention: Contention = field(default_factory=Contention)
+    flush_s: float = 2.0  # how often learnings are written to the record
+    watch_s: float = 0.5  # how often drift and the voucher are read back from the record
+    background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
+
+    @classmethod
+    def of(cls, **knobs) -> TunerSettings:
+        """Settings with ``knobs`` named flat (a group's field, ``contention_`` before a
+        contention knob), the rest at their defaults; TypeError names an unknown knob."""
+        return cls().with_(**knobs)
+
+    def with_(self, **knobs) -> TunerSettings:
+        """These settings with ``knobs`` (flat names, as ``of``) replaced."""
+        own = {k: knobs.pop(k) for k in list(knobs) if k in ("flush_s", "watch_s",
+                                                             "background")}
+        groups = {}
+        for name, (kind, prefix) in _GROUPS.items():
+            names = {prefix + f.name: f.name for f in fields(kind)}
+            mine = {names[k]: knobs.pop(k) for k in list(knobs) if k in names}
+            if mine:
+                groups[name] = replace(getattr(self, name), **mine)
+        if knobs:
+            raise TypeError(f"unknown tuner setting(s): {', '.join(sorted(knobs))}")
+        return replace(self, **own, **groups)
+
+    def value(self, knob: str):
+        """A knob's value by its flat name (``of``); TypeError names an unknown one."""
+        if knob in ("flush_s", "watch_s", "background"):
+            return getattr(self, knob)
+        for name, (kind, prefix) in _GROUPS.items():
+            if knob.startswith(prefix) and knob[len(prefix):] in {f.name for f in fields(kind)}:
+                return getattr(getattr(self, name), knob[len(prefix):])
+        raise TypeError(f"unknown tuner setting: {knob}")
+
+    @staticmethod
+    def knobs() -> list[str]:
+        """Every knob's flat name (``of``)."""
+        return ["flush_s", "watch_s", "background",
+                *(prefix + f.name for kind, prefix in _GROUPS.values() for f in fields(kind))]

@@ -43,8 +43,9 @@ class ShadowSide:
         # CPU, and charged its wall time, one held frozen through 16-connection bursts spent
         # the budget for minutes (mode 2: 0-1 window passes per range in 2 minutes, 0.68x
         # fixed 2 at 16 connections)
-        self.budget = ShadowBudget(settings.budget_fraction, settings.budget_window_s, clock())
-        self.paid = PaidShare(settings.learning_share)  # the paid learning share
+        spend = settings.spending
+        self.budget = ShadowBudget(spend.budget_fraction, spend.budget_window_s, clock())
+        self.paid = PaidShare(spend.learning_share)  # the paid learning share
         self.wall_s = 0.0  # ... and what shadows took in wall time
         self.faults = 0  # shadow forwards that failed (a ShadowProcess restarts)
         self.error: str | None = None  # why, the last time

@@ -107,7 +107,7 @@ class SimulatedHost:
         holder: list[ShadowLane] = []
         tuner = AdaptiveThreads(
             mode, configured, counts, self.scope, record, self._instant,
-            settings or TunerSettings(background=False), clock=lambda: self.clock.now_s,
+            settings or TunerSettings.of(background=False), clock=lambda: self.clock.now_s,
             shadow_forward=lambda b, n: holder[0].shadow_forward(b, n),
             worker=f"sim {w}", pause_shadows=lambda f: holder[0].pause(f),
             free_cpu_s=(lambda: (self.clock.now_s, self.clock.free_s[w])) if free_cpus

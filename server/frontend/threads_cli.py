@@ -295,17 +295,17 @@ def _scope_report(record, scope) -> dict:
         r.learned, passes[lo] = row["num_threads"], row["verified_passes"]
         r.candidate = r.learned if row["origin"] == "sibling" else None  # ``learned_from``
         r.phase = Phase.LEARNED if mode is not AdaptiveMode.SERVE or r.learned == configured \
-            else Phase.SERVING if (passes[lo] >= settings.window
+            else Phase.SERVING if (passes[lo] >= settings.learning.window
                                    and voucher.covers_counts(r.learned, configured)) \
             else Phase.VERIFYING
     state = RecordState(scope, voucher, record.drift(scope), path=str(record.path))
     inp = ReportInput(mode, configured, tuple(worker["counts"]), ranges, state,
-                      DecisionRule(settings.margin, settings.min_samples),
+                      DecisionRule(settings.learning.margin, settings.learning.min_samples),
                       model=worker.get("model"), verified_passes=passes)
     rep = build(inp)
     rep["notes"].append("from the record: every stored sample of every worker of this scope "
                         "(a worker decides on its own last "
-                        f"{settings.max_samples} per count)")
+                        f"{settings.learning.max_samples} per count)")
     return rep
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -118,7 +117,7 @@ class Worker:
 
         settings = spec.settings or TunerSettings()
         if spec.learning_share is not None:
-            settings = replace(settings, learning_share=spec.learning_share)
+            settings = settings.with_(learning_share=spec.learning_share)
         tuner = AdaptiveThreads(spec.mode, spec.args.num_threads, counts, scope, record,
                                 runner.engine.forward_batch, settings,
                                 shadow_forward=shadows.forward, on_close=close,
