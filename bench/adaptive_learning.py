@@ -14,6 +14,7 @@ so it never saw a server that learns a count under steady load but never serves 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import zlib
 from collections.abc import Callable
@@ -58,32 +59,53 @@ def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, c
            seconds: float, window_s: float, rounds: int, log=print,
            settle_s: float = 0.0) -> list[dict[str, dict]]:
     """Per round, per server: its windows (req/s, p50, p99 of each). A fresh mode 2 first
-    serves ``settle_s`` of the same load (``settle_windows``, other bodies) and is measured
-    after it, in the same windows as the fixed servers (which learn nothing: their req/s
-    does not depend on how long they have served)."""
+    serves ``settle_s`` of the load alone (``settle_windows``, other bodies); then every
+    server runs ``seconds`` in windows taken in turn, window k of each server one after
+    another (the order rotated per window, the same bodies for all in window k), so a slow
+    stretch of the shared host falls on all of them alike. Run one after another, whole
+    minutes apart, two identical servers differed by 0.86-1.14x (95% interval, 6 rounds)."""
     windows = max(1, round(seconds / window_s))
     settle = round(settle_s / window_s)
     base = zlib.crc32(b"steady") % 10**6 * 100
 
-    def measure(name: str, server: Server, n: int, first_seed: int) -> list[dict]:
-        ws = []
-        for k in range(n):
-            r = wrk(server.url, script, conns, window_s, seed=first_seed + k)
-            ws.append({key: r[key] for key in ("rps", "p50_ms", "p99_ms", "requests",
-                                               "non_2xx", "errors")})
-        if ws:
-            log(f"  steady {name:34} " + " ".join(f"{w['rps']:5.1f}" for w in ws) + " req/s")
-        return ws
+    def window(server: Server, seed: int) -> dict:
+        r = wrk(server.url, script, conns, window_s, seed=seed)
+        return {key: r[key] for key in ("rps", "p50_ms", "p99_ms", "requests", "non_2xx",
+                                        "errors")}
 
-    def run(name: str, server: Server) -> dict:
-        early = measure(name + " (settling)", server, settle, base + 5_000) \
-            if name == MODE2 else []
-        return {"windows": measure(name, server, windows, base), "settle_windows": early}
+    def show(name: str, ws: list[dict]) -> None:
+        log(f"  steady {name:34} " + " ".join(f"{w['rps']:5.1f}" for w in ws) + " req/s")
 
     out = []
     for i in range(rounds):
         base += 10_000  # a server's rounds never repeat a body (its result cache)
-        out.append(_each(fixed, fresh, i, log, run))
+        server = fresh()
+        try:
+            early = [window(server, base + 5_000 + k) for k in range(settle)]
+            settled = {}
+            if early:
+                show(MODE2 + " (settling)", early)
+                # what it serves once settled: between its windows below it idles while
+                # the others run, and idle time lets shadows finish what load left undone
+                with contextlib.suppress(Exception):
+                    settled = range_states(server.threads())
+            servers = {**fixed, MODE2: server}
+            got: dict[str, list[dict]] = {n: [] for n in servers}
+            for k in range(windows):
+                for name in rotated(list(servers), i + k):
+                    got[name].append(window(servers[name], base + k))
+            rnd = {n: {"windows": ws, "settle_windows": early if n == MODE2 else []}
+                   for n, ws in got.items()}
+            for n, ws in got.items():
+                show(n, ws)
+            rnd[MODE2]["ranges_settled"] = settled
+            try:
+                rnd[MODE2]["ranges_after"] = range_states(server.threads())
+            except Exception as exc:  # noqa: BLE001 (a report is a bonus)
+                log(f"  {MODE2}: no threads report: {exc}")
+        finally:
+            server.close()
+        out.append(rnd)
     return out
 
 

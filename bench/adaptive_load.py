@@ -47,13 +47,14 @@ Sections (``--only``):
   measured at 16 and at 1 connection.
 - ``phases``: fixed 1 and fixed 2 with that neighbour stopped, then running throughout: the
   per-phase oracle says what following the neighbour could gain over fixed 2.
-- ``steady`` (new): no learning phase. Per round (``--steady-rounds``), a fresh mode 2 and the
-  fixed servers each at 16 closed-loop connections for ``--steady-seconds`` in consecutive
-  ``--window-seconds`` windows (wrk); mode 2 first serves ``--steady-settle-seconds`` of the
-  same load (other bodies), from its first second: does mode 2, learning from a fresh record
-  under steady load, reach the best fixed count after that long, and what did learning cost
-  meanwhile (the windows' req/s are printed per round; the fixed servers learn nothing, so
-  their measured windows stand for the settling time too).
+- ``steady`` (new): no learning phase. Per round (``--steady-rounds``), a fresh mode 2 first
+  serves ``--steady-settle-seconds`` of 16 closed-loop connections alone (wrk, other bodies),
+  from its first second; then it and the fixed servers each run ``--steady-seconds`` at 16
+  connections in ``--window-seconds`` windows taken in turn (window k of every server one
+  after another, order rotated per window, the same bodies in window k): does mode 2,
+  learning from a fresh record under steady load, reach the best fixed count after that
+  long, and what did learning cost meanwhile (the fixed servers learn nothing, so their
+  windows stand for the settling time too; the windows' req/s are printed per round).
 - ``regret`` (new): per round (``--regret-rounds``), one open-loop trace at ``--regret-share``
   of capacity for ``--regret-seconds`` (the same bodies file and schedule for every server)
   sent to fixed 1, fixed 2, fixed 1 again and a fresh mode 2 (no learning phase); each
@@ -524,6 +525,8 @@ def steady_table(rounds: list[dict]) -> None:
               for n in names]))
     print()
     for i, r in enumerate(rounds):
+        if MODE2 in r and r[MODE2].get("ranges_settled"):
+            print(f"round {i + 1}, {MODE2} once settled: {r[MODE2]['ranges_settled']}")
         if MODE2 in r and r[MODE2].get("ranges_after"):
             print(f"round {i + 1}, {MODE2} at its end: {r[MODE2]['ranges_after']}")
     print()
