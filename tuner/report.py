@@ -70,7 +70,8 @@ class ReportInput:
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
     """A copy of the tuner's state (the engine and shadow threads keep changing it)."""
     with t.lock:
-        ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()})
+        ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()},
+                              per_token={n: list(v) for n, v in r.per_token.items()})
                   for lo, r in t.learner.ranges.items()}
         passes = {lo: t.ledger.progress(lo, r.learned) for lo, r in ranges.items()
                   if r.learned is not None}

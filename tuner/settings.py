@@ -132,29 +132,25 @@ class TunerSettings:
 
     def with_(self, **knobs) -> TunerSettings:
         """These settings with ``knobs`` (flat names, as ``of``) replaced."""
-        own = {k: knobs.pop(k) for k in list(knobs) if k in ("flush_s", "watch_s",
-                                                             "background")}
-        groups = {}
-        for name, (kind, prefix) in _GROUPS.items():
-            names = {prefix + f.name: f.name for f in fields(kind)}
-            mine = {names[k]: knobs.pop(k) for k in list(knobs) if k in names}
-            if mine:
-                groups[name] = replace(getattr(self, name), **mine)
-        if knobs:
-            raise TypeError(f"unknown tuner setting(s): {', '.join(sorted(knobs))}")
-        return replace(self, **own, **groups)
+        own, groups = {}, {}
+        for knob, v in knobs.items():
+            group, name = _where(knob)
+            (groups.setdefault(group, {}) if group else own)[name] = v
+        return replace(self, **own, **{g: replace(getattr(self, g), **kv)
+                                       for g, kv in groups.items()})
 
     def value(self, knob: str):
         """A knob's value by its flat name (``of``); TypeError names an unknown one."""
-        if knob in ("flush_s", "watch_s", "background"):
-            return getattr(self, knob)
-        for name, (kind, prefix) in _GROUPS.items():
-            if knob.startswith(prefix) and knob[len(prefix):] in {f.name for f in fields(kind)}:
-                return getattr(getattr(self, name), knob[len(prefix):])
-        raise TypeError(f"unknown tuner setting: {knob}")
+        group, name = _where(knob)
+        return getattr(getattr(self, group) if group else self, name)
 
-    @staticmethod
-    def knobs() -> list[str]:
-        """Every knob's flat name (``of``)."""
-        return ["flush_s", "watch_s", "background",
-                *(prefix + f.name for kind, prefix in _GROUPS.values() for f in fields(kind))]
+
+def _where(knob: str) -> tuple[str | None, str]:
+    """The group (None: ``TunerSettings`` itself) and field a flat knob name means."""
+    if knob in ("flush_s", "watch_s", "background"):
+        return None, knob
+    for group, (kind, prefix) in _GROUPS.items():
+        name = knob.removeprefix(prefix)
+        if knob.startswith(prefix) and name in {f.name for f in fields(kind)}:
+            return group, name
+    raise TypeError(f"unknown tuner setting: {knob}")
