@@ -13,7 +13,9 @@ this host's measured table (``sim_calibration.calibrated``, the default backend,
 - ``2 cores, neighbour``: the same beside a neighbour holding one core 2 s of every 4;
 - ``16 cores``: two workers on 16 cores, configured 8 each, counts 1-16, sharing the cores
   through the core ledger as a pool's workers do (``simulate.ledger``), 50% load, a neighbour
-  shifting between none and half the cores (``simulate.shifting_neighbour``), 60 s.
+  shifting between none and half the cores (``simulate.shifting_neighbour``), 60 s;
+- ``64 cores``: the many-core scenario of ``tuner/simulate.py`` (8 workers configured 8,
+  the ledger, 50% load, the shifting neighbour), 120 s.
 
 Per scenario and seed: the mean request latency (queue plus forward) of mode 2 at the defaults
 and of every fixed count (mode 2 over its configured count: what turning it on changes). Per
@@ -61,6 +63,7 @@ SWEEP: dict[str, tuple] = {
     "max_samples": (16, 48, 96),
     "budget_fraction": (0.25, 0.5, 1.0),
     "starved_s": (0.25, 1.0, 4.0),
+    "retry_backoff_max_s": (0.0, 1.0, 8.0, 60.0),
 }
 
 
@@ -69,8 +72,10 @@ def _scenario(name: str, seed: int, config):
     rng = np.random.default_rng(seed)
     if name.startswith("2 cores"):
         cores, workers, configured, duration, load = 2, 1, 1, 120.0, 0.6
-    else:
+    elif name == "16 cores":
         cores, workers, configured, duration, load = 16, 2, 8, 60.0, 0.5
+    else:
+        cores, workers, configured, duration, load = 64, 8, 8, 120.0, 0.5
     per_worker = max(1, cores // workers) if workers > 1 else configured
     mean_ms = float(np.mean([config.quiet_ms(1, request_length(rng), per_worker)
                              for _ in range(4000)]))
@@ -84,13 +89,13 @@ def _scenario(name: str, seed: int, config):
     return cores, workers, configured, trace, neighbours
 
 
-SCENARIOS = ("2 cores", "2 cores, neighbour", "16 cores")
+SCENARIOS = ("2 cores", "2 cores, neighbour", "16 cores", "64 cores")
 
 
 def _latency(config, scenario, seed: int, fixed: int | None,
              settings: TunerSettings | None = None) -> float:
     cores, workers, configured, trace, neighbours = scenario
-    hook = ledger(cores, configured) if workers > 1 and fixed is None else None
+    hook = ledger(cores, configured, workers) if workers > 1 and fixed is None else None
     host = SimulatedHost(TimeModel(cores, config), neighbours, fixed, seed=seed,
                          configured=configured, counts=allowed_counts(configured, cores),
                          workers=workers, settings=settings, max_rows=32, max_tokens=2048,
@@ -104,11 +109,12 @@ def _summary(values: Sequence[float]) -> dict:
             "per_seed": [round(float(v), 4) for v in values]}
 
 
-def sweep(seeds: Sequence[int], only: Sequence[str]) -> dict:
+def sweep(seeds: Sequence[int], only: Sequence[str],
+          scenarios: Sequence[str] = SCENARIOS) -> dict:
     config = calibrated()
     base = TunerSettings.of(background=False)
     out: dict = {"seeds": list(seeds), "scenarios": {}}
-    for name in SCENARIOS:
+    for name in scenarios:
         t0 = time.monotonic()
         fixed: dict[int, dict[int, float]] = {}
         default = {}
@@ -175,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="1,2,3,4,5,6")
     p.add_argument("--only", nargs="+", choices=list(SWEEP), default=list(SWEEP))
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     try:
@@ -183,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error(f"--seeds must be integers separated by commas, got {args.seeds!r}")
     if len(seeds) < 2:
         p.error("--seeds needs at least two seeds for an interval")
-    result = sweep(seeds, args.only)
+    result = sweep(seeds, args.only, args.scenarios)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("\n".join(table(result)))

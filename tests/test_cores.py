@@ -16,7 +16,8 @@ import pytest
 from vllm_srun.runtime.engine import FixedThreads
 from vllm_srun.tuner import cadence
 from vllm_srun.tuner.core_ledger import SLOTS
-from vllm_srun.tuner.cores import CoreShare, CoreShareError, SharedCores, grant
+from vllm_srun.tuner.core_rules import HELD_SLACK, SharedCores, grant, room
+from vllm_srun.tuner.cores import CoreShare, CoreShareError
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl OFD locks")
 SPAWN = multiprocessing.get_context("spawn")
@@ -28,8 +29,8 @@ BUDGET = 8
 @pytest.mark.parametrize(("want", "floor", "others", "budget", "granted"), [
     (4, 1, 4, 8, 4),   # fits exactly
     (4, 1, 5, 8, 1),   # one over: the configured count
-    (1, 2, 64, 8, 1),  # below the configured count: always
-    (2, 2, 64, 8, 2),  # the configured count: always, even past the budget
+    (1, 2, 64, 8, 1),  # below the configured count, nothing below it: always
+    (2, 2, 64, 8, 2),  # the configured count, nothing below it: always, even past the budget
     (16, 4, 0, 16, 16),
     (16, 4, 1, 16, 4),
 ])
@@ -37,7 +38,37 @@ def test_grant_allows_a_higher_count_only_within_the_budget(want, floor, others,
                                                            granted):
     """R4.12: a count above the configured one only while all workers' threads stay within
     the budget; the configured count (exact at every vouched count) otherwise."""
-    assert grant(want, floor, others, budget) == granted
+    assert grant(want, floor, others, 0, budget) == granted
+
+
+@pytest.mark.parametrize(("want", "floor", "others", "idle", "room_", "lower", "granted"), [
+    (8, 8, 56, 0, 60, (1, 2, 4), 4),   # the configured count does not fit: the largest that does
+    (8, 8, 60, 0, 60, (1, 2, 4), 1),   # none fits: the smallest it may serve
+    (8, 8, 60, 0, 60, (), 8),          # nothing below it may serve: the configured count
+    (16, 8, 50, 0, 60, (1, 2, 4), 8),  # above the configured count: the configured one fits
+    (16, 8, 53, 0, 60, (1, 2, 4), 4),  # ... and below it
+    (4, 8, 56, 0, 60, (1, 2), 4),      # fits: as wanted
+    (8, 8, 0, 3, 8, (1, 2, 4), 4),     # three idle workers keep a thread each
+    (16, 8, 0, 7, 64, (1, 2, 4), 16),  # ... and on 64 cores take nothing a worker needs
+])
+def test_grant_serves_the_largest_count_below_that_fits_where_the_tuner_offers_them(
+        want, floor, others, idle, room_, lower, granted):
+    """R4.12 with mode 2's vouched counts below the wanted one (``lower``): a worker serves
+    at most what the room leaves it, less a thread for each other worker idle now, at the
+    configured count too, as long as a count that answers the same fits."""
+    assert grant(want, floor, others, idle, room_, lower) == granted
+
+
+@pytest.mark.parametrize(("budget", "held", "expected"), [
+    (64, None, 64),  # unread: the budget
+    (64, 32.0, 32),  # a neighbour on half the cores
+    (64, 0.4, 64),   # a few tenths (the front end, a client): within the slack
+    (2, 1.0, 1),     # a CPU-bound process on one of two cores
+    (2, 5.0, 1),     # the host is full: still one thread
+])
+def test_the_room_is_the_budget_less_what_other_tasks_hold(budget, held, expected):
+    assert room(budget, held) == expected
+    assert HELD_SLACK == 0.5
 
 
 # -- the ledger with real processes ------------------------------------------------------
@@ -182,6 +213,40 @@ def test_shared_cores_serves_the_configured_count_when_the_host_is_full(tmp_path
     finally:
         policy.close()
         neighbour.close()
+
+
+class _Offering(FixedThreads):
+    """A fixed count that may also serve the counts below it (as mode 2's vouched ones)."""
+
+    def lower_counts(self, batch, n):
+        return tuple(c for c in (1, 2, 4, 8) if c < n)
+
+
+@linux
+def test_the_room_leaves_other_tasks_their_cores_and_mode_2_serves_below_the_configured(
+        tmp_path):
+    """R4.12: a neighbour (not a worker) holding 3 of 8 cores leaves the workers 5. A worker
+    configured 4 beside a sibling serving 2: its configured count does not fit (2 + 4 > 5),
+    so it serves the largest count below it that answers the same and fits (2); a worker
+    with nothing below to serve keeps its configured count; with the reading gone, the
+    budget alone."""
+    path, held = tmp_path / "host.cores", [3.0]
+    sibling = CoreShare.open(path, BUDGET, "sibling")
+    share = CoreShare.open(path, BUDGET, "w", linger_s=0.0, held=lambda: held[0])
+    policy = SharedCores(_Offering(4), share, configured=4)
+    try:
+        assert share.room_now() == 5
+        sibling.claim(2, 2)
+        assert policy.served_threads(None) == 2 and policy.limited == 1
+        policy.observe(None, None)
+        assert share.claim(4, 4) == 4  # nothing below offered: the configured count
+        share.release()
+        held[0] = None
+        assert share.room_now() == BUDGET and policy.served_threads(None) == 4
+        policy.observe(None, None)
+    finally:
+        policy.close()
+        sibling.close()
 
 
 # -- out of step ---------------------------------------------------------------------------

@@ -36,6 +36,16 @@ def cores_free(free: FreeCpus, seconds: float = 0.5) -> float:
     return (b - a) / (u - t)
 
 
+def held_over(seconds: float = 0.3) -> float:
+    """``held`` over one window of ``seconds``, read by hand (its sampler closed)."""
+    free = FreeCpus()
+    free.close()
+    free.sample()
+    time.sleep(seconds)
+    free.sample()
+    return free.held()
+
+
 def spinning(proc: subprocess.Popen) -> bool:
     """Its CPU time grows (it has started its loop)."""
     def ticks() -> int:
@@ -50,17 +60,21 @@ def test_a_cpu_bound_neighbour_takes_about_one_core_off_the_free_cores():
     free = FreeCpus()
     cores = len(os.sched_getaffinity(0))
     alone = cores_free(free)
+    held_alone = held_over()
     hog = subprocess.Popen(SPIN)
     try:
         wait_until(lambda: spinning(hog), 10, "the neighbour to spin")
         free.scan()  # it does not yield: still a neighbour
         beside = cores_free(free)
+        held = held_over()
     finally:
         hog.kill()
         hog.wait(10)
         free.close()
     assert alone <= cores + 0.1
     assert alone - beside >= 0.6 and beside <= cores - 0.6, (alone, beside)
+    # the core ledger leaves it its core (R4.12)
+    assert 0.6 <= held - held_alone <= 1.4, (held_alone, held)
 
 
 def test_cpu_time_of_the_named_processes_counts_as_free():
@@ -156,10 +170,13 @@ def test_a_sibling_on_the_core_ledger_is_no_neighbour(tmp_path):
         (t0, a0), (_, b0) = pooled.sample(), alone.sample()
         time.sleep(0.5)
         (t1, a1), (_, b1) = pooled.sample(), alone.sample()
+        held_pooled, held_alone = pooled.held(), alone.held()
     finally:
         sibling.kill()
         sibling.join(30)
         share.close()
     as_sibling, as_neighbour = (a1 - a0) / (t1 - t0), (b1 - b0) / (t1 - t0)
     assert as_neighbour <= 0.25 and 0.3 <= as_sibling <= 0.7, (as_sibling, as_neighbour)
+    # what the core ledger leaves other tasks (``held``): a sibling holds none of it
+    assert held_pooled <= 0.3 and held_alone >= 0.7, (held_pooled, held_alone)
     assert share.sibling_pids() == ()  # closed: no ledger to read

@@ -40,6 +40,7 @@ from vllm_srun.tuner.simulate import (
     Noise,
     SimulatedHost,
     herd,
+    ledger,
     many_core,
     poisson_trace,
 )
@@ -243,7 +244,7 @@ def test_a_cores_hook_clamps_what_each_worker_serves():
     others serve now, and what it returns runs."""
     seen = []
 
-    def hook(worker, wanted, others):
+    def hook(worker, wanted, others, lower, held):
         seen.append((wanted, sum(others)))
         return min(wanted, 64 // 8)  # an even split
 
@@ -259,7 +260,10 @@ def test_workers_sharing_a_ledger_charge_a_busy_one_only_its_fair_share():
     serving a forward at 4 threads, the other idle. Read as a neighbour, the busy one leaves
     the idle one no free core; beside a sibling in the core ledger (a cores hook), it is
     charged its fair share (2) and the idle one reads the other 2."""
-    for hook, idle_reads in ((None, 0.0), (lambda worker, wanted, others: wanted, 2.0)):
+    def asked(worker, wanted, others, lower, held):
+        return wanted
+
+    for hook, idle_reads in ((None, 0.0), (asked, 2.0)):
         host = SimulatedHost(TimeModel(4, flat()), fixed=4, workers=2, noise=QUIET,
                              max_rows=1, cores_hook=hook)
         host.run([Arrival(0.0, 512)])
@@ -335,6 +339,38 @@ def test_the_many_core_scenario_reports_mode2_against_every_fixed_count():
         assert r.max_served_threads <= 8 * n and r.herd.changes == 0
     for r in runs:
         print(r)
+
+
+def _most_threads_at_once(out, after_s: float) -> int:
+    """The most served threads all workers ran at once among forwards started after
+    ``after_s`` (from each forward's start and time)."""
+    edges = sorted((t, sign * n) for t, ms, n in zip(out.at_s, out.served_ms,
+                                                     out.served_threads, strict=True)
+                   if t >= after_s for t, sign in ((t, 1), (t + ms / 1000, -1)))
+    most = now = 0
+    for _, d in edges:
+        now += d
+        most = max(most, now)
+    return most
+
+
+def test_workers_sharing_the_ledger_leave_a_neighbour_its_cores():
+    """R4.12 on the simulated host: 16 cores, 4 mode 2 workers configured 4 (an even split),
+    a neighbour on 8 cores from 2 s on. Under back-to-back load the workers' configured
+    counts alone fill the 16 cores; with the core ledger (``simulate.ledger``: the room the
+    neighbour leaves, vouched counts below the configured one), once a window has read the
+    neighbour they together serve at most the 8 it leaves them."""
+    cores, workers, neighbour_from = 16, 4, 2.0
+    trace = poisson_trace(400, 6, [64, 128], seed=3)
+
+    def run(hook):
+        return SimulatedHost(TimeModel(cores, flat()), [Neighbour(8, neighbour_from)],
+                             seed=3, configured=4, counts=(1, 2, 4), workers=workers,
+                             noise=QUIET, max_rows=1, cores_hook=hook).run(trace)
+
+    shared = _most_threads_at_once(run(ledger(cores, 4, workers)), neighbour_from + 0.3)
+    alone = _most_threads_at_once(run(None), neighbour_from + 0.3)
+    assert shared <= cores - 8 < alone, (shared, alone)
 
 
 def test_herd_sets_changes_close_in_time_against_independent_ones():

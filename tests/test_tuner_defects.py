@@ -1,7 +1,8 @@
 """Five defects of the tuner found by reading it (R4.5, R4.7), each guarded here: a text
 pair's shadow got no token type ids, the shadow budget banked idle time, contention flapped
 between its start and end thresholds, ``/proc`` was read on the served path, and the shadow
-process's death, hang or zombie stopped learning for good or blocked ``close``.
+process's death, hang or zombie stopped learning for good or blocked ``close``. A sixth, found
+on the simulated many-core host: a batch whose shadows gave no sample ran again without end.
 
 Real parts: the worker assembly a deployment runs (``Worker``: the real ``ShadowProcess``
 child, ``FreeCpus`` over the real ``/proc``), real tiny models, real signals. A fake clock
@@ -128,7 +129,8 @@ def test_an_idle_hour_banks_no_more_than_the_budget_window_of_shadow_time():
         return result
 
     settings = TunerSettings.of(background=False, budget_fraction=0.5, budget_window_s=10.0,
-                             min_samples=10**6)  # the range explores all along: always due
+                                min_samples=10**6,  # the range explores all along
+                                retry_backoff_max_s=0.0)  # ... its one batch always due
     tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", manifest.revision, "o"),
                             None, backend.forward, settings, clock=lambda: now[0],
                             shadow_forward=shadow)
@@ -157,6 +159,47 @@ def test_an_idle_hour_banks_no_more_than_the_budget_window_of_shadow_time():
     now[0] += 4.0  # 4 s later: about 2 s more (the rate), nothing more of the hour
     assert 2.0 - 0.1 <= shadows_run_at_once(2) <= 2.0 / (1 - 0.5) + 0.1 + 1e-9
     assert tuner.side.budget.used_s <= bound()
+
+def test_a_batch_whose_shadows_give_no_sample_is_tried_again_later_and_later():
+    """An exploring range's batch goes back on the board after a shadow that gave no sample
+    (a served forward overlapped it), so that a shape only load makes is timed; tried again
+    in every gap, a rare range's few batches ran for good on a busy host (the simulated
+    64-core host: 5 of its cores on the shadows of 7 batches). Now each try after one that
+    gave no sample waits 0.1 s, twice as long with each more, up to
+    ``retry_backoff_max_s``; the shadow loop does not start it before. The real tuner, real
+    L3 forwards, a fake clock."""
+    from vllm_srun.records.host_record import Scope
+    from vllm_srun.runtime.artifact import resolve
+    from vllm_srun.runtime.backend import load_backend
+    from vllm_srun.runtime.engine import pad
+    from vllm_srun.runtime.sizes import size_range
+    from vllm_srun.tuner.adaptive import AdaptiveThreads
+
+    manifest, now = resolve(L3), [100.0]
+    backend = load_backend(manifest, "onnxruntime")
+    settings = TunerSettings.of(background=False, retry_backoff_max_s=0.5)
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", manifest.revision, "o"),
+                            None, backend.forward, settings, clock=lambda: now[0])
+    tuner.ledger.locked_reason = None  # no golden check: the board is under test
+    batch = pad([row(30)])
+    lo = size_range(batch.padded_tokens)[0]
+    tuner.observe(batch, backend.forward(batch, 1))
+    job = tuner.learner.board.jobs[lo]
+    waits = []
+    for _ in range(4):  # every shadow at 2 threads overlapped by a served forward
+        tuner.learner.after_shadow(lo, job, 2, backend.forward(batch, 2), clean=False,
+                                   overlapped_at=now[0])
+        waits.append(round(job.not_before - now[0], 6))
+    assert waits == [0.1, 0.2, 0.4, 0.5] and 2 in job.counts
+
+    def due() -> bool:
+        return tuner.gate.next_shadow(now[0], tuner.learner.board.jobs,
+                                      tuner.learner.ranges, tuner.mode) is not None
+
+    assert not due()
+    now[0] = job.not_before + 10.0  # idle since: any gap fits
+    assert due()
+
 
 def row(tokens: int, salt: int = 0) -> list[int]:
     """A row of ``tokens`` ids ([CLS] ... [SEP]) of the BERT vocabulary, fixed by its seed."""

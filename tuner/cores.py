@@ -1,20 +1,28 @@
 """Cores shared among the workers of one host (R4.12): a ledger of the intra-op threads each
-worker's running forward uses, and the pure rule that grants a count above the configured one.
+worker's running forward uses, claimed by the rules of ``core_rules.py`` (``grant`` a count
+within the ``room`` other tasks leave the workers).
 
 How it works: a small file next to the host record (``cores_path``; its layout and locks:
 ``core_ledger.py``), mapped by every worker that opens it, holds one slot per worker: its
 pid, the threads of its served forward, since when, until when they count (while it runs,
 and ``LINGER_S`` after it ended: under load the worker's next forward is about to start),
-and its configured count. A count above the configured one is served only when ``grant``
-allows it: the other workers' threads plus the wanted count stay within the budget. That
-check and the slot's write happen under an exclusive lock on the file, tried ``LOCK_TRIES``
-times without waiting: a worker that finds another one checking all along serves its
-configured count this once. Serving the configured count or fewer needs no check (the
-answer is exact there, and the operator chose that count), and ending a forward only lowers
-what the slot counts for, so both write the slot without the lock, each field one aligned
-8-byte store: a reader sees the old value or the new one, and either keeps the budget. On
-the served path a claim reads no file and makes no syscall at the configured count, and two
-``fcntl`` calls above it.
+and its configured count. The room is the budget less the cores other tasks hold (a
+neighbour, the front end: ``FreeCpus.held``, read off the served path). A count serves
+where the other workers' threads plus it fit the room; else the largest count below it
+that fits and answers the same (the configured count; in mode 2 the vouched counts for the
+shape), else the smallest of those. Each worker's own forward time cannot see this: a
+worker that takes more threads takes a larger share of oversubscribed cores, so each
+worker alone learns more threads than the host can give all of them (simulated, 64 cores,
+8 workers, a neighbour on up to half: the workers' served threads passed the cores 1.6-2.8%
+of the time, and all forwards ran slower).
+
+The check and the slot's write happen under an exclusive lock on the file, tried
+``LOCK_TRIES`` times without waiting: a worker that finds another one checking all along
+serves at most its configured count this once. A count with nothing below it to serve
+instead needs no check, and ending a forward only lowers what the slot counts for, so both
+write the slot without the lock, each field one aligned 8-byte store: a reader sees the old
+value or the new one. On the served path a claim makes no syscall where nothing could be
+served instead, and two ``fcntl`` calls otherwise.
 
 Each worker holds a lock on its slot for as long as it has the ledger open; the kernel drops
 it when the process ends, however it ends. A worker refused a grant tries, at most once
@@ -22,10 +30,10 @@ every ``REAP_S``, each other occupied slot's lock: one it gets belongs to a dead
 whose slot is cleared, so a worker killed mid-forward holds its threads until a worker is
 next refused a count with its look for dead slots due.
 
-Invariant: a count above a worker's configured one is granted only while the threads in all
-slots, that count included, stay within the budget. The sum may pass the budget only through
-configured counts (never refused; where they alone exceed the budget the operator chose so)
-started after a grant was checked, and then only until that granted forward ends.
+Invariant: a count is granted over the room only where nothing below it may serve (the
+configured count without lower vouched ones; the smallest allowed count). The sum may pass
+the room otherwise only through such counts started after a grant was checked, until that
+granted forward ends, or where other tasks took cores since the last reading.
 """
 
 from __future__ import annotations
@@ -34,13 +42,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.core_ledger import (
     RUNNING,
     SLOTS,
@@ -51,6 +58,7 @@ from vllm_srun.tuner.core_ledger import (
     open_fd,
     unlock_file,
 )
+from vllm_srun.tuner.core_rules import grant, room
 
 log = logging.getLogger(__name__)
 
@@ -69,17 +77,6 @@ LINGER_S = 0.005
 # three tries cost at most a few microseconds and never wait on a worker descheduled while
 # holding it. A guess, not swept.
 LOCK_TRIES = 3
-
-
-# -- policy ------------------------------------------------------------------------------
-
-def grant(want: int, floor: int, in_use_by_others: int, budget: int) -> int:
-    """The count a worker may serve: ``want`` when it is at most the configured count
-    (``floor``) or when the other workers' threads plus ``want`` stay within ``budget``;
-    else ``floor``, which is exact at every vouched count and always allowed."""
-    if want <= floor or in_use_by_others + want <= budget:
-        return want
-    return floor
 
 
 def cores_path(record_path: Path | str) -> Path:
@@ -116,8 +113,10 @@ class CoreShare:
     runs one loop)."""
 
     def __init__(self, ledger: LedgerFile, budget: int, worker: str,
-                 linger_s: float = LINGER_S, reap_s: float = REAP_S) -> None:
+                 linger_s: float = LINGER_S, reap_s: float = REAP_S,
+                 held: Callable[[], float | None] | None = None) -> None:
         self.ledger, self.budget, self.worker = ledger, budget, worker
+        self.held = held
         self.linger_s, self.reap_s = linger_s, reap_s
         self._index = -1
         self._linger_ns = int(linger_s * 1e9)
@@ -127,10 +126,13 @@ class CoreShare:
 
     @classmethod
     def open(cls, path: Path | str, budget: int, worker: str, linger_s: float = LINGER_S,
-             reap_s: float = REAP_S) -> CoreShare:
+             reap_s: float = REAP_S,
+             held: Callable[[], float | None] | None = None) -> CoreShare:
         """Open (creating it if new) the ledger at ``path`` and take a slot for this process.
-        ``budget``: the CPUs the host's workers share; ``worker``: who, for logs; the
-        constants' docs say what ``linger_s`` and ``reap_s`` are."""
+        ``budget``: the CPUs the host's workers share; ``worker``: who, for logs; ``held``:
+        the cores other tasks hold now (``FreeCpus.held``; None: unknown), which the budget
+        leaves them (``room``); the constants' docs say what ``linger_s`` and ``reap_s``
+        are."""
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise CoreShareError(f"budget must be a positive integer, got {budget!r}")
         path = Path(path)
@@ -138,7 +140,7 @@ class CoreShare:
         try:
             lock_file(fd, wait=True)  # opening may wait: it is not on a served path
             try:
-                share = cls(LedgerFile(path, fd), budget, worker, linger_s, reap_s)
+                share = cls(LedgerFile(path, fd), budget, worker, linger_s, reap_s, held)
                 share._take_slot()
             finally:
                 unlock_file(fd)
@@ -163,21 +165,22 @@ class CoreShare:
                 return
         raise CoreShareError(f"core ledger {self.ledger.path} is full: {SLOTS} workers hold it")
 
-    def claim(self, want: int, floor: int) -> int:
-        """The count this worker may serve now (``grant``), held in its slot until
-        ``release``. Never waits: a count above ``floor`` refused, or met while another
-        worker checks, is ``floor``."""
+    def claim(self, want: int, floor: int, lower: Sequence[int] = ()) -> int:
+        """The count this worker may serve now (``grant``, within ``room``), held in its slot
+        until ``release``. Never waits: met while another worker checks, a count above
+        ``floor`` serves ``floor``, one at most ``floor`` serves as asked."""
         index, led = self._index, self.ledger
-        if want <= floor:
+        if want <= floor and not any(n < want for n in lower):
             granted = want
         elif not self._take():
             self.tally.contended += 1
-            granted = floor
+            granted = min(want, floor)
         else:
             try:
-                granted = grant(want, floor, self._others(), self.budget)
+                budget = self.room_now()
+                granted = grant(want, floor, *self._others(), budget, lower)
                 if granted != want and self._reap_due():
-                    granted = grant(want, floor, self._others(), self.budget)
+                    granted = grant(want, floor, *self._others(), budget, lower)
                 led.threads[index] = granted  # under the lock: the next check counts it
                 led.until[index] = RUNNING
             finally:
@@ -188,6 +191,11 @@ class CoreShare:
         led.since[index] = time.monotonic_ns()
         led.floor[index] = floor
         return granted
+
+    def room_now(self) -> int:
+        """The threads the workers may serve together now (``room``: the budget less the
+        cores other tasks hold)."""
+        return room(self.budget, self.held() if self.held is not None else None)
 
     def _take(self) -> bool:
         """The file lock, in ``LOCK_TRIES`` tries; False if another worker held it all
@@ -222,10 +230,13 @@ class CoreShare:
         finally:
             self.ledger.drop()
 
-    def _others(self) -> int:
-        """``in_use`` less this worker's own (under the file lock)."""
-        self.ledger.until[self._index] = 0  # rewritten by the caller
-        return self.in_use()
+    def _others(self) -> tuple[int, int]:
+        """``in_use`` less this worker's own, and how many other workers hold a slot but no
+        threads now (under the file lock)."""
+        led = self.ledger
+        led.until[self._index] = 0  # rewritten by the caller
+        counting = led.until > time.monotonic_ns()
+        return int(led.threads[counting].sum()), int(np.count_nonzero(led.pid[~counting])) - 1
 
     def _reap_due(self) -> bool:
         """Clear dead workers' slots, at most once every ``reap_s`` (under the file lock);
@@ -279,36 +290,3 @@ class CoreShare:
             led.pid[index] = 0
             led.free_slot(index)
             led.close()
-
-
-class ThreadsPolicy(Protocol):  # runtime.engine.ThreadsPolicy, restated to stay a seam
-    def served_threads(self, batch: TokenBatch) -> int: ...
-
-    def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class SharedCores:
-    """A worker's threads policy with its served counts held in the host's ledger: a count
-    above the configured one that the ledger does not grant serves the configured count."""
-
-    def __init__(self, policy: ThreadsPolicy, share: CoreShare, configured: int) -> None:
-        self.policy, self.share, self.configured = policy, share, configured
-        self.limited = 0  # forwards served at the configured count instead of a higher one
-
-    def served_threads(self, batch: TokenBatch) -> int:
-        want = self.policy.served_threads(batch)
-        granted = self.share.claim(want, self.configured)
-        self.limited += granted != want
-        return granted
-
-    def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
-        self.share.release()
-        self.policy.observe(batch, result)
-
-    def close(self) -> None:
-        try:
-            self.policy.close()
-        finally:
-            self.share.close()

@@ -34,6 +34,10 @@ that serves more than its share takes no more from this one than its share. Read
 neighbours, eight busy workers each saw the others' 56 threads as a neighbour's, and all
 followed "contention" down to 1 thread and back at once (the simulated 64-core host).
 
+The same readings say how many cores other tasks hold (``held``, what the core ledger
+budgets by, R4.12): the CPUs less the pool's free time over a window, where the pool's is
+this worker's and every sibling's, not a share of it.
+
 Each reading adds the growth of every source (the CPUs' idle time, each process's CPU time)
 since the last one; a source first seen adds nothing until its next reading, so a process
 found by a scan, or a sibling that starts, adds its time from then on, not its whole life.
@@ -64,7 +68,7 @@ class FreeCpus:
                  cpus: Collection[int] | None = None, scan_s: float = 5.0,
                  sample_s: float = 0.05, rest_s: float = 1.0,
                  worker: str | None = None,
-                 siblings: Callable[[], Iterable[int]] = tuple) -> None:
+                 siblings: Callable[[], Iterable[int]] = tuple, window_s: float = 0.1) -> None:
         """``sample_s``: 0.05, half the tuner's window (``contention_free_window_s``, 0.1 s):
         a whole window lies between two readings at most 0.16 s after it began (a wait is at
         most 0.06 s with the jitter, the module docstring says why it has one). A reading
@@ -73,15 +77,22 @@ class FreeCpus:
         been asked for ``rest_s`` (1.0: ten windows, past which the tuner takes a reading
         as saying nothing of now anyway). ``worker``: the id that fixes the reader's phase
         and jitter (default: this process's pid). ``siblings``: the pids of the other workers
-        sharing this host's cores (the core ledger's, ``CoreShare.sibling_pids``)."""
+        sharing this host's cores (the core ledger's, ``CoreShare.sibling_pids``).
+        ``window_s``: the shortest stretch ``held`` reads over (the tuner's
+        ``contention_free_window_s``, 0.1: a few forwards, and a neighbour's change shows in
+        at most two readings of it)."""
         if cpus is None:  # (no affinity call off Linux, where /proc is missing too: None)
             cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()
         self._names = {f"cpu{i}".encode() for i in cpus}
+        self._cpus, self._window_s = len(self._names), window_s
         self._tick = os.sysconf("SC_CLK_TCK")
         self._pids, self._siblings = pids, siblings
         self._yielding: tuple[int, ...] = ()
         self._last: tuple[dict[object, int], dict[int, int]] | None = None  # ticks per source
         self._shared_ticks = 0.0  # this worker's share of the free ticks so far
+        self._pool_ticks = 0.0  # the pool's free ticks so far (this worker's and siblings')
+        self._pool_mark: tuple[float, float] | None = None  # (when, pool ticks): a window
+        self._held: tuple[float, float] | None = None  # (when, cores other tasks held)
         self._stop = threading.Event()
         self.scan()
         self._latest = self.sample()
@@ -95,6 +106,17 @@ class FreeCpus:
         if unreadable. Reads no file: what the served path calls."""
         self._asked_at = time.monotonic()
         return self._latest
+
+    def held(self) -> float | None:
+        """The cores other tasks held over the last whole window of at least ``window_s``
+        between two readings: the CPUs less what the pool could have had over it (idle time,
+        this worker's, its shadow's, the yielding processes' and its siblings' CPU time);
+        None where ``/proc`` cannot be read, or the last window ended more than ten windows
+        ago (the reader rests while nobody asks). Reads no file: the core ledger calls it on
+        the served path."""
+        self._asked_at = now = time.monotonic()
+        got = self._held
+        return None if got is None or now - got[0] > 10 * self._window_s else got[1]
 
     def __call__(self) -> float | None:
         """Free CPU seconds so far (see the module docstring; siblings' time not counted);
@@ -133,10 +155,23 @@ class FreeCpus:
         if got is None:
             return None
         if self._last is not None:
-            self._shared_ticks += share_of_pool(sum(grown(got[0], self._last[0])),
-                                                grown(got[1], self._last[1]))
+            free, siblings = sum(grown(got[0], self._last[0])), grown(got[1], self._last[1])
+            self._shared_ticks += share_of_pool(free, siblings)
+            self._pool_ticks += free + sum(siblings)
         self._last = got
-        return time.monotonic(), self._shared_ticks / self._tick
+        now = time.monotonic()
+        self._note_held(now)
+        return now, self._shared_ticks / self._tick
+
+    def _note_held(self, now: float) -> None:
+        """Close a window once it is ``window_s`` long (``held``)."""
+        mark = self._pool_mark
+        if mark is not None and now - mark[0] < self._window_s:
+            return
+        if mark is not None:
+            pool = (self._pool_ticks - mark[1]) / self._tick / (now - mark[0])
+            self._held = (now, max(0.0, self._cpus - pool))
+        self._pool_mark = (now, self._pool_ticks)
 
     def scan(self) -> None:
         """Find the processes that yield to a normal one (idle class, nice 15 and up)."""

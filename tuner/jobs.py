@@ -71,7 +71,7 @@ class JobBoard:
         """The first due shadow, ranges oldest first, whose range starved (``starved``), that
         is payable (``payable``) and whose expected cost the share ``affords``."""
         for lo, job in self.jobs.items():
-            if not self.starved(lo, now):
+            if not self.starved(lo, now) or job.not_before > now:
                 continue
             for count in job.counts:
                 if self.payable(lo, job, count) and affords(self.expected_s(lo, job, count)):

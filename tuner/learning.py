@@ -9,9 +9,9 @@ meanwhile, or none beside it) and on shadows, until the estimator chooses a coun
 for in turn (vouched exploration), audited at the configured count. Once learned, every
 ``audit_every``-th forward gets a probe shadow at another count, and forwards at a count
 whose time moved by ``relearn_factor`` from that same count's when learned relearn the range
-(``estimator.changed``: ``watch``, R4.11). A shadow that differs from the served answer
-retires learning for good (``drift``, R4.7). A new worker learns from fresh samples; drift
-and vouchers survive restarts.
+(``estimator.changed``: ``relearning.Relearning``, R4.11). A shadow that differs from the
+served answer retires learning for good (``drift``, R4.7). A new worker learns from fresh
+samples; drift and vouchers survive restarts.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import ContentionWatch
 from vllm_srun.tuner.estimator import (
-    changed,
     choose,
     counts_needing_samples,
     served_cost_ms,
@@ -37,7 +36,8 @@ from vllm_srun.tuner.ledger import ExactnessLedger, first_difference
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import RecordSync
 from vllm_srun.tuner.policy import explore_count, shadow_plan
-from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, relearn, settle
+from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, settle
+from vllm_srun.tuner.relearning import Relearning
 from vllm_srun.tuner.scheduling import ShadowJob
 from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.tally import Tally
@@ -45,7 +45,7 @@ from vllm_srun.tuner.tally import Tally
 log = logging.getLogger(__name__)
 
 
-class Learner:
+class Learner(Relearning):
     def __init__(self, mode: AdaptiveMode, configured: int, counts: Sequence[int],
                  settings: TunerSettings, ledger: ExactnessLedger, sync: RecordSync,
                  contention: ContentionWatch, tally: Tally, worker: str) -> None:
@@ -128,24 +128,6 @@ class Learner:
             self.put(lo, batch, result, counts, now)
         return bool(counts)
 
-    def watch_served(self, lo: int, r: RangeLearning, result: ForwardResult, tokens: int,
-                     contention: str | None) -> None:
-        """A learned range served a forward: its slowdown for the contention watch, and its
-        time for the change detector (``watch``)."""
-        per_token = result.forward_s * 1000 / tokens
-        if (base := r.baselines.get((result.num_threads, "shadow"))) is not None:
-            self.contention.note_slowdown(result.num_threads, per_token / base,
-                                          contention == "probe")
-        if contention is None and r.phase is not Phase.VERIFYING and not (
-                r.serving and result.num_threads == r.learned > min(self.counts)):
-            # a served count that contention can fall back from relearns by
-            # ``contention_relearn_s`` instead (a brief neighbour: no relearning); a range in
-            # its transition window is not relearned on the count it serves meanwhile (a
-            # neighbour that comes and goes restarted it, again and again, before it could
-            # pass)
-            self.watch(lo, r, (result.num_threads, "served"), per_token,
-                       self.settings.learning.relearn_window)
-
     def shadow_counts(self, lo: int, served: int, contention: str | None) -> list[int]:
         """The counts to run as shadows of range ``lo``'s batch just served at ``served``
         (``policy.shadow_plan``, then mode 2's checks of what it served)."""
@@ -177,7 +159,8 @@ class Learner:
 
     # -- a shadow ended --------------------------------------------------------------------
     def after_shadow(self, lo: int, job: ShadowJob, count: int, result: ForwardResult,
-                     clean: bool, retry: bool = True, paid: bool = False) -> None:
+                     clean: bool, retry: bool = True, paid: bool = False,
+                     overlapped_at: float | None = None) -> None:
         """A shadow ended: the ledger compares it with the served answer (a difference is
         drift); a clean one is a sample (what it would cost a served forward:
         ``estimator.served_cost_ms``); the range's state moves on."""
@@ -207,7 +190,11 @@ class Learner:
         if retry and r.exploring and count in self.need(r):
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
             # (if not ``retry``, after it waited for CPUs other tasks held: they likely
-            # still do; the range's next served batch brings the count again)
+            # still do; the range's next served batch brings the count again), after a
+            # backoff (``retry_backoff_max_s``) where a served forward overlapped it (one
+            # that other tasks held up backs off by ``scheduling.SharingBackoff``)
+            if overlapped_at is not None:
+                job.retry_after(overlapped_at, self.settings.spending.retry_backoff_max_s)
         self.sync.pending.learned.add(lo)
         self.settle(lo, r)  # (a range that starts serving needs its backlog no more)
         self.board.ran(lo, job)
@@ -272,34 +259,6 @@ class Learner:
 
     def speedup(self, r: RangeLearning) -> float:
         return speedup(r.per_token, self.configured, r.learned or self.configured) or 1.0
-
-    def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
-              window: int) -> None:
-        """R4.11, the change detector (``estimator.changed``): forwards at one count against
-        forwards at that same count when the range was learned, like against like: probe
-        shadows (clean, SCHED_IDLE) against the samples it was learned from; served forwards
-        against the first ``window`` served after it was learned. A learned count far faster
-        than the configured one never triggers it; a neighbour that arrives slows the served
-        count, one that leaves speeds up a probe."""
-        recent = r.recent.setdefault(key, [])
-        recent.append(per_token_ms)
-        if len(recent) < window:
-            return
-        r.recent[key] = []
-        baseline = r.baselines.get(key)
-        if baseline is None:
-            r.baselines[key] = typical(recent)
-            return
-        if changed(recent, baseline, self.settings.learning.relearn_factor):
-            log.info("threads_relearn range=%d-%d num_threads=%d forwards=%s ratio=%.2f",
-                     lo, 2 * lo - 1, key[0], key[1], typical(recent) / baseline)
-            # a probe moved: the verified count serves on meanwhile; not if it slowed
-            self.relearn(lo, r, r.learned if r.serving and key[1] == "shadow" else None)
-
-    def relearn(self, lo: int, r: RangeLearning, keep_serving: int | None) -> None:
-        self.ranges[lo] = relearn(r, keep_serving)
-        self.contention.forget(lo)
-        self.board.forget(lo)
 
     def drift(self, job: ShadowJob, count: int, result: ForwardResult,
               at: tuple[int, ...]) -> None:

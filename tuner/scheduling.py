@@ -52,6 +52,14 @@ class ShadowJob:
     served_threads: int
     counts: list[int]
     served_s: float  # how long the served forward took
+    retries: int = 0  # shadows of it put back after they gave no sample
+    not_before: float = 0.0  # ... so its next one waits until then (``retry_after``)
+
+    def retry_after(self, now: float, most_s: float) -> None:
+        """A shadow of this batch gave no sample and goes back on the board: the next waits
+        ``BACKOFF_FIRST_S``, twice as long with each more, up to ``most_s``."""
+        self.retries += 1
+        self.not_before = now + min(most_s, BACKOFF_FIRST_S * 2 ** min(self.retries - 1, 16))
 
 
 Due = tuple[int, ShadowJob, int, bool]  # range, job, count, it shares the served cores
@@ -226,6 +234,8 @@ class ShadowGate:
         anytime: Due | None = None
         for lo, job in jobs.items():
             r = ranges.get(lo)
+            if job.not_before > now:
+                continue  # put back after a shadow that gave no sample: not yet
             for count in job.counts:
                 window = mode is AdaptiveMode.SERVE and r is not None and \
                     r.learned == count and not r.serving

@@ -19,8 +19,10 @@ from vllm_srun.tuner.share import DEFAULT_SHARE
 # Swept on the simulated host (``python -m bench.tuner_sweep``, ``bench/results/
 # tuner_sweep.json``: 6 seeds per value, 2 cores quiet, 2 cores beside a neighbour, 16 cores
 # with two workers): ``min_samples``, ``window``, ``margin``, ``audit_every``,
-# ``relearn_factor``, ``max_samples``, ``budget_fraction``, ``starved_s``. No other value
-# resolved better than the default in any scenario; ``min_samples`` 24 resolved worse.
+# ``relearn_factor``, ``max_samples``, ``budget_fraction``, ``starved_s``,
+# ``retry_backoff_max_s``.
+# No other value resolved better than the default in any scenario; ``min_samples`` 24
+# resolved worse.
 @dataclass(frozen=True)
 class Learning:
     min_samples: int = 12  # clean timed shadows per count per range before a count is learned
@@ -52,6 +54,13 @@ class Spending:
     # capacity are tens of ms, so a second without one that lets it run is no idle CPU; short
     # against the two minutes in which learning must complete (swept: see above)
     starved_s: float = 1.0
+    # a served batch whose shadow a served forward overlapped (no sample) goes back on the
+    # board, its next try 0.1 s later, twice as long with each more, up to this: tried again
+    # in every gap, a rare range's few batches ran without end on a busy host (the simulated
+    # 64-core host: 5 of its 64 cores on the shadows of 7 batches); dropped after a few
+    # tries instead, a range only load reaches went unlearned once the load eased (swept:
+    # see above; 0 tries again at once)
+    retry_backoff_max_s: float = 8.0
 
 
 @dataclass(frozen=True)

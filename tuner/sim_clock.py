@@ -40,6 +40,7 @@ class CoreClock:
         self._log_host = 0.0  # the host-wide factor, log
         self.forwards: list[InFlight] = []
         self.free_s = [0.0] * workers  # CPU seconds other tasks left each worker so far
+        self.held_s = 0.0  # CPU seconds the neighbour ran so far
 
     def start_forward(self, w: int, batch: TokenBatch, n: int, shadow: bool) -> InFlight:
         ms = self.fit.quiet_ms(batch.rows, int(batch.input_ids.shape[1]), n)
@@ -71,6 +72,7 @@ class CoreClock:
         if dt <= 0:
             return 0.0
         neighbour = self.neighbour_threads(self.now_s) * q
+        self.held_s += neighbour * dt
         per_worker = [0.0] * len(self.free_s)
         for f, r in zip(self.forwards, rates, strict=True):
             f.left_ms -= r * dt * 1000

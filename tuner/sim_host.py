@@ -52,8 +52,11 @@ __all__ = ["Arrival", "CoresHook", "Neighbour", "Noise", "Outcome", "SimulatedHo
 
 POLL_S = 0.05  # the real shadow loop's wait while shadows are due (tuner/shadow_loop.py)
 # a hook for host-wide core sharing (tuner/cores.py): (worker, count its tuner wants, the
-# counts the other workers serve now) -> the count it runs
-CoresHook = Callable[[int, int, Sequence[int]], int]
+# counts the other workers serve now, the counts below the wanted one its tuner may serve
+# instead, the cores the neighbour held over the last reading's window or None) -> the
+# count it runs
+CoresHook = Callable[[int, int, Sequence[int], Sequence[int], "float | None"], int]
+HELD_WINDOW_S = 0.1  # as ``FreeCpus.held`` reads: windows of at least this long
 
 
 class SimulatedHost:
@@ -80,6 +83,9 @@ class SimulatedHost:
                                np.random.default_rng(seed), workers,
                                pooled=cores_hook is not None)
         self._workers = [SimWorker() for _ in range(workers)]
+        self._free_cpus = free_cpus
+        self._held_mark: tuple[float, float] | None = None  # (when, neighbour core-s)
+        self._held_now: float | None = None
         self.out = Outcome()
         self._tmp = tempfile.TemporaryDirectory(prefix="sim-record-")
         self.tuners: list[AdaptiveThreads] = []
@@ -175,6 +181,18 @@ class SimulatedHost:
             if k.serving is None and k.queue:
                 self._start_served(w)
 
+    def _held(self) -> float | None:
+        """The cores the neighbour held over the last whole window of ``HELD_WINDOW_S``, as
+        ``FreeCpus.held`` reads them (None before the first, or without free-CPU readings)."""
+        if not self._free_cpus:
+            return None
+        now, mark = self.clock.now_s, self._held_mark
+        if mark is None or now - mark[0] >= HELD_WINDOW_S:
+            if mark is not None:
+                self._held_now = (self.clock.held_s - mark[1]) / (now - mark[0])
+            self._held_mark = (now, self.clock.held_s)
+        return self._held_now
+
     def _serving_threads(self) -> list[int]:
         return [k.serving.threads for k in self._workers if k.serving is not None]
 
@@ -190,7 +208,8 @@ class SimulatedHost:
         n = self.fixed if tuner is None else tuner.served_threads(batch)
         explored = tuner is not None and tuner.tally.explored > before
         if self.hook is not None:
-            n = self.hook(w, n, self._serving_threads())
+            lower = tuner.lower_counts(batch, n) if tuner is not None else ()
+            n = self.hook(w, n, self._serving_threads(), lower, self._held())
         fwd = self.clock.start_forward(w, batch, n, shadow=False)
         fwd.requests, fwd.explored = [(rid, a.at_s) for rid, a in taken], explored
         k.serving = fwd

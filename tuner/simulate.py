@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_srun.tuner.adaptive import TunerSettings
-from vllm_srun.tuner.cores import grant
+from vllm_srun.tuner.core_rules import grant, room
 from vllm_srun.tuner.modes import allowed_counts
 from vllm_srun.tuner.sim_calibration import REFERENCE, TimeModel, calibrated
 from vllm_srun.tuner.sim_host import (
@@ -171,11 +171,18 @@ def summarise(name: str, outcome: Outcome, workers: int, duration_s: float) -> R
                       herd(outcome, workers, duration_s))
 
 
-def ledger(cores: int, configured: int) -> CoresHook:
-    """``tuner/cores.py``'s rule as the host's hook: a count above the configured one serves
-    only while the other workers' served threads plus it stay within the cores (the ledger's
-    linger after a forward ends is not modelled)."""
-    return lambda worker, want, others: grant(want, configured, sum(others), cores)
+def ledger(cores: int, configured: int, workers: int) -> CoresHook:
+    """``tuner/cores.py``'s rules as the host's hook: a count serves where the other workers'
+    served threads, one thread for each other worker serving nothing, and it fit the cores
+    the neighbour leaves (``room``, as read over the last window), else the largest count
+    below it the tuner may serve that does (``grant``; the ledger's linger after a forward
+    ends is not modelled)."""
+    def hook(worker: int, want: int, others: Sequence[int], lower: Sequence[int],
+             held: float | None) -> int:
+        return grant(want, configured, sum(others), workers - 1 - len(others),
+                     room(cores, held), lower)
+
+    return hook
 
 
 def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers: int = 8,
@@ -215,7 +222,7 @@ def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers
         split = max(1, cores // workers)
         ledgered = SimulatedHost(TimeModel(cores, config), neighbours, None, seed=seed,
                                  configured=split, counts=allowed_counts(split, cores),
-                                 workers=workers, cores_hook=ledger(cores, split),
+                                 workers=workers, cores_hook=ledger(cores, split, workers),
                                  settings=settings, max_rows=32, max_tokens=2048)
         runs.append(summarise(f"mode 2 + core ledger (configured {split})",
                               ledgered.run(trace), workers, duration_s))

@@ -23,7 +23,8 @@ from vllm_srun.runtime.selection import PrecisionChoice, choose
 from vllm_srun.runtime.types import BackendName, ForwardRecord, Manifest
 from vllm_srun.server.worker.spec import WorkerSpec
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
-from vllm_srun.tuner.cores import CoreShare, CoreShareError, SharedCores, cores_path
+from vllm_srun.tuner.core_rules import SharedCores
+from vllm_srun.tuner.cores import CoreShare, CoreShareError, cores_path
 from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows, reference_outputs, reference_tolerance
 from vllm_srun.tuner.modes import AdaptiveMode, allowed_counts
@@ -128,24 +129,27 @@ class Worker:
         tuner.sync.error = tuner.sync.error or error
         runner.engine.threads = tuner
         self.tuner = tuner
-        self._share_cores(runner)
+        self._share_cores(runner, free.held)
         tolerance = reference_tolerance(precision, spec.quality_gate.min_cosine)
         runner.start(check=lambda: tuner.startup(golden_rows(runner.tokenizer),
                                                  reference_outputs(manifest.revision),
                                                  tolerance))
         return runner
 
-    def _share_cores(self, runner: Runner) -> None:
+    def _share_cores(self, runner: Runner,
+                     held: Callable[[], float | None] | None = None) -> None:
         """Hold this worker's served counts in the host's core ledger (R4.12) when the pool
-        asks: a count above the configured one serves only while the CPU workers of the host
-        together stay within the budget. Without the ledger the worker serves as it would
-        alone."""
+        asks: a count serves only while the CPU workers of the host together stay within the
+        budget less the cores other tasks ``held`` (``FreeCpus.held``; None: the budget),
+        else a lower count that answers the same (``core_rules.grant``). Without the ledger
+        the worker serves as it would alone."""
         spec = self.spec
         if not spec.share_cores:
             return
         path = cores_path(self.record_path)
         try:
-            share = CoreShare.open(path, spec.budget, self.replica_id or f"pid {os.getpid()}")
+            share = CoreShare.open(path, spec.budget, self.replica_id or f"pid {os.getpid()}",
+                                   held=held)
         except CoreShareError as exc:
             log.error("core_share_unavailable path=%s error=%s", path, exc)
             return

@@ -60,9 +60,9 @@ class WorkerMetrics:
                                  "1 for each input-size range's learning state, 0 for the others",
                                  ["replica", "size_range", "state"], registry=r)
         self.core_limited = Gauge(
-            "vllm_srun_shared_cores_limited_forwards", "Forwards served at the configured "
-            "count instead of a higher one because the CPU workers of the host together would "
-            "have passed the CPU budget (since start)", ["replica"], registry=r)
+            "vllm_srun_shared_cores_limited_forwards", "Forwards served at a lower count "
+            "than wanted because the CPU workers of the host together would have passed the "
+            "CPU budget less what other tasks hold (since start)", ["replica"], registry=r)
 
     def record_forward(self, rec: ForwardRecord) -> None:
         self.forward_seconds.labels(self.replica, range_label(rec.padded_tokens),
