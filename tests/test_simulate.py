@@ -385,3 +385,25 @@ def test_herd_sets_changes_close_in_time_against_independent_ones():
     assert h.coincident == pytest.approx(6 / 4)
     assert h.expected < 0.01 and h.ratio > 100
     assert herd(Outcome(), 4, 100.0).changes == 0
+
+
+def test_workers_of_one_scope_start_from_what_a_sibling_learned():
+    """R4.12 on the simulated host: each worker's record watch runs on the virtual clock
+    (every ``watch_s``, staggered), so a count one worker learned and flushed reaches the
+    other as a sibling's candidate, which it times against its configured count instead of
+    exploring every count. With the watch put off past the run, no worker hears of the
+    other's counts."""
+    from vllm_srun.tuner.settings import TunerSettings
+
+    trace = poisson_trace(40, 30, [16, 64, 256], seed=5)
+
+    def candidates(**knobs) -> int:
+        host = SimulatedHost(TimeModel(4, flat()), seed=5, configured=1, counts=(1, 2, 4),
+                             workers=2, noise=QUIET, max_rows=1,
+                             settings=TunerSettings.of(background=False, **knobs))
+        host.run(trace)
+        return sum(r.candidate is not None for t in host.tuners
+                   for r in t.learner.ranges.values())
+
+    assert candidates(watch_s=1e9) == 0
+    assert candidates() >= 1

@@ -4,16 +4,18 @@ sharing ``cores`` with each other, their shadows and a neighbour, on a virtual c
 How it works: an event loop moves the host's cores on the virtual clock (``sim_clock.py``:
 every forward in flight with the work it has left, and the rate each progresses at) from one
 event to the next. Events: an arrival (dispatched to the worker with the fewest requests
-waiting), a forward's end, a neighbour's change, a shadow loop's poll.
+waiting), a forward's end, a neighbour's change, a shadow loop's poll, a worker's record watch
+(what it learned written to the shared record, its siblings' counts read back).
 
 Each worker's shadow loop is a thread of its own that runs only while the event loop waits for
 it (one thread runs at a time, so runs are deterministic): it calls ``tuner.step()`` until it
 returns False; a shadow forward (``shadow_forward``) registers its forward with the event loop
 and blocks until the virtual clock reaches its end. The tuner is driven through its public
 API only: ``startup``, ``served_threads``, ``observe``, ``step``, ``pending_shadows``,
-``close``, the ``explored`` counter, and the callbacks it is constructed with (``clock``,
-``shadow_forward``, ``pause_shadows``, ``free_cpu_s``); a real host record (a sweep's
-voucher covering every count and shape) is its record.
+``close``, ``flush_due``, ``flush``, ``poll_record``, the ``explored`` counter, and the
+callbacks it is constructed with (``clock``, ``shadow_forward``, ``pause_shadows``,
+``free_cpu_s``); a real host record (a sweep's voucher covering every count and shape),
+shared by all workers, is its record.
 
 Invariant: the virtual clock only moves in the event loop, while every shadow thread waits.
 """
@@ -96,6 +98,8 @@ class SimulatedHost:
             for w in range(workers):
                 self._add_tuner(w, mode, configured, counts, self._record, settings,
                                 free_cpus)
+            for w, tuner in enumerate(self.tuners):  # the watches, staggered
+                self._workers[w].next_watch = (w + 1) * tuner.settings.watch_s / workers
 
     # -- set-up ------------------------------------------------------------------------------
     def _vouched_record(self, counts: Sequence[int]) -> HostRecord:
@@ -151,7 +155,8 @@ class SimulatedHost:
                 nxt = min([*ends, *(t for t in edges if t > clock.now_s),
                            arrivals[0].at_s if arrivals else math.inf,
                            *(self._workers[w].next_poll for w, lane in enumerate(self.lanes)
-                             if lane.in_flight is None)], default=math.inf)
+                             if lane.in_flight is None),
+                           *(k.next_watch for k in self._workers)], default=math.inf)
                 if not arrivals and all(not k.queue and k.serving is None
                                         for k in self._workers):
                     return self.out
@@ -165,6 +170,7 @@ class SimulatedHost:
                 while arrivals and arrivals[0].at_s <= clock.now_s:
                     self._dispatch(ids, arrivals.popleft())
                     ids += 1
+                self._watch_records()
         finally:
             self.close()
 
@@ -243,6 +249,19 @@ class SimulatedHost:
         out.latency_ms.extend((now_s - at) * 1000 for _, at in f.requests)
         if self.lanes and not self._workers[w].queue:
             self._workers[w].next_poll = now_s  # a served forward's end wakes the shadow loop
+
+    def _watch_records(self) -> None:
+        """Each worker's record watch (``AdaptiveThreads.poll_record``, every ``watch_s``,
+        the workers' watches staggered across it), and its shadow loop's flush of what it
+        learned where one is due: what one worker learned reaches the others' as a
+        sibling's count (R4.12, ``siblings``)."""
+        for w, k in enumerate(self._workers):
+            if k.next_watch <= self.clock.now_s:
+                tuner = self.tuners[w]
+                if tuner.flush_due():
+                    tuner.flush()
+                tuner.poll_record()
+                k.next_watch = self.clock.now_s + tuner.settings.watch_s
 
     def _schedule_poll(self, w: int) -> None:
         lane = self.lanes[w]

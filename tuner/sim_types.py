@@ -101,3 +101,4 @@ class SimWorker:
     # aside); a range not served yet: the configured (or fixed) count
     count_now: dict[int, int] = field(default_factory=dict)
     next_poll: float = math.inf  # when its shadow loop next wakes
+    next_watch: float = math.inf  # when its record watch next reads the record

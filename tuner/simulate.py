@@ -16,8 +16,10 @@ model and its cores.
   (``runtime.batching.next_batch``) into rows x length forwards. Each worker's shadow loop
   is the tuner's ``step`` run until it returns False, woken as ``tuner/shadow_loop.py``'s loop
   is (a served forward's end; every 0.05 s while ``pending_shadows``), on a thread of its own
-  in lockstep with the virtual clock (``tuner/sim_lane.py``); the loop's warm-up of each
-  count and its flushes to the record are left out.
+  in lockstep with the virtual clock (``tuner/sim_lane.py``). Each worker's record watch
+  and flushes run on the virtual clock too, on one shared record: a count one worker
+  learned reaches the others as a sibling's (R4.12). The loop's warm-up of each count is
+  left out.
 
 What is fitted: per backend x precision, the host model's parameters (to every cell of the
 measured table, least worst-cell relative error); past 2 threads, the work's share left at 16
