@@ -407,3 +407,17 @@ def test_workers_of_one_scope_start_from_what_a_sibling_learned():
 
     assert candidates(watch_s=1e9) == 0
     assert candidates() >= 1
+
+
+def test_a_run_summary_shows_learnings_cost_span_by_span():
+    """The many-core table's last column: per 30 s of the run, the mean forward time of the
+    forwards started then and the share served only to time a count, so learning's cost
+    (the first span) reads apart from what a learned worker serves after."""
+    from vllm_srun.tuner.sim_host import Outcome
+    from vllm_srun.tuner.simulate import summarise, table
+
+    out = Outcome(served_ms=[1.0, 3.0, 10.0], at_s=[0.0, 10.0, 40.0],
+                  explored=[True, False, False], latency_ms=[1.0, 3.0, 10.0])
+    run = summarise("mode 2", out, workers=1, duration_s=60.0)
+    assert run.spans == ((2.0, 0.5), (10.0, 0.0))
+    assert table([run], 2)[-1].endswith("| 2.0 (50%), 10.0 |")

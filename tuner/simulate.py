@@ -163,14 +163,25 @@ class RunSummary:
     max_served_threads: int  # all workers together, at any instant
     over_cores_share: float  # of the run's time, the share they passed the cores
     herd: Herd | None
+    # mean forward ms of the forwards started in each ``SPAN_S`` of the run, in order, and
+    # the share of them served only to time a count (mode 2 exploring)
+    spans: tuple[tuple[float, float], ...] = ()
+
+
+SPAN_S = 30.0  # the table's time spans: learning's cost shows in the first
 
 
 def summarise(name: str, outcome: Outcome, workers: int, duration_s: float) -> RunSummary:
+    at, ms = np.asarray(outcome.at_s), np.asarray(outcome.served_ms)
+    explored = np.asarray(outcome.explored, dtype=bool)
+    spans = tuple((float(ms[m].mean()), float(explored[m].mean()))
+                  for k in range(math.ceil(duration_s / SPAN_S))
+                  if (m := (at >= k * SPAN_S) & (at < (k + 1) * SPAN_S)).any())
     return RunSummary(name, float(np.mean(outcome.served_ms)), outcome.mean_latency_ms,
                       float(np.percentile(outcome.latency_ms, 99)), len(outcome.served_ms),
                       outcome.max_served_threads,
                       outcome.over_cores_s / max(1e-9, max(outcome.at_s, default=0.0)),
-                      herd(outcome, workers, duration_s))
+                      herd(outcome, workers, duration_s), spans)
 
 
 def ledger(cores: int, configured: int, workers: int) -> CoresHook:
@@ -237,14 +248,17 @@ def table(runs: Sequence[RunSummary], cores: int) -> list[str]:
     out = [f"| worker | mean forward ms | mean latency ms | p99 latency ms | forwards | most "
            f"served threads at once (of {cores} cores) | time over the cores | count "
            "changes | other workers changing within 0.1 s of one: seen / if independent "
-           "| most workers changing in 0.1 s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           f"| most workers changing in 0.1 s | mean forward ms per {SPAN_S:.0f} s (share "
+           "served only to time a count) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         h = r.herd
         out.append(f"| {r.name} | {r.mean_forward_ms:.2f} | {r.mean_latency_ms:.2f} | "
                    f"{r.p99_latency_ms:.1f} | {r.forwards} | {r.max_served_threads} | "
                    f"{r.over_cores_share:.1%} | {h.changes} | {h.coincident:.2f} / "
-                   f"{h.expected:.2f} | {h.most_workers} |")
+                   f"{h.expected:.2f} | {h.most_workers} | "
+                   + ", ".join(f"{m:.1f}" + (f" ({x:.0%})" if x else "") for m, x in r.spans)
+                   + " |")
     return out
 
 
