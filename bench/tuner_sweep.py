@@ -25,7 +25,7 @@ paired by seed: the simulator is deterministic per seed, so two runs at one sett
 exactly 1.0 and there is no other null check). Each figure is the median over seeds with a
 bootstrap 95% interval. What the simulator models and
 assumes is in ``tuner/simulate.py``; what it leaves out (the real kernel's run delay, the
-frontend's CPU, the record watch) a sweep here cannot see.
+frontend's CPU) a sweep here cannot see.
 """
 
 from __future__ import annotations
