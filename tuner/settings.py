@@ -24,9 +24,10 @@ from vllm_srun.tuner.share import DEFAULT_SHARE
 # ``budget_fraction`` 0.25 resolved worse on 2 cores. ``min_samples`` 4 resolved better on 2
 # cores (0.93x the default's latency) and 16 cores (0.83x), not beside the neighbour (1.06x,
 # interval 0.85-1.25): at 4 samples the estimator's interval is every sample, and the real
-# host's noise (+-30%) is wider than the simulator's, so 12 stays until the real-host
-# benches (bench/mode1_learning.py, bench/adaptive_load.py) are run at 4. No other value
-# resolved either way.
+# host's noise (+-30%) is wider than the simulator's. Run at 4 on the real host (mode 1 out
+# of the box, 60% load, one run) it decided every range by 45 s where 12 took 151 s, but
+# kept 1 thread in every range where 2 threads' medians were 9-17% lower: four samples
+# beside the load spread past the margin. So 12 stays. No other value resolved either way.
 @dataclass(frozen=True)
 class Learning:
     min_samples: int = 12  # clean timed shadows per count per range before a count is learned
