@@ -69,9 +69,12 @@ class JobBoard:
     def paid_due(self, now: float, affords: Callable[[float], bool]
                  ) -> tuple[int, ShadowJob, int] | None:
         """The first due shadow, ranges oldest first, whose range starved (``starved``), that
-        is payable (``payable``) and whose expected cost the share ``affords``."""
+        is payable (``payable``) and whose expected cost the share ``affords``. A batch
+        backed off after overlapped idle-class shadows (``ShadowJob.retry_after``) may still
+        be paid for: a paid shadow runs beside served forwards by design, and the share
+        bounds what it costs."""
         for lo, job in self.jobs.items():
-            if not self.starved(lo, now) or job.not_before > now:
+            if not self.starved(lo, now):
                 continue
             for count in job.counts:
                 if self.payable(lo, job, count) and affords(self.expected_s(lo, job, count)):
