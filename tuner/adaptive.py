@@ -213,7 +213,9 @@ class AdaptiveThreads(ShadowSteps):
         lo, rows, length = size_range(batch.padded_tokens)[0], batch.rows, \
             int(batch.input_ids.shape[1])
         with self.lock:
-            return tuple(c for c in self.counts if c < n and self.ledger.learning and
+            if not self.ledger.learning:
+                return ()
+            return tuple(c for c in self.counts if c < n and
                          self.ledger.may_serve(lo, c, rows, length, explore=True).allowed)
 
     def _freeze_for(self, n: int, sampling: bool, contention: str | None) -> Timed:
