@@ -10,13 +10,16 @@ real texts are compared with float32's, per task:
   both, over those found by either (``min_span_agreement``).
 
 Figures are pure functions of the two precisions' outputs; ``verdict`` says why a precision
-is refused (the figure, its measured value and the threshold), or None.
+is refused (the figure, its measured value and the threshold), or None. Every task also
+counts the evaluation texts whose answer holds a value that is not finite (NaN or infinity,
+``non_finite``): any such text refuses the precision, since a NaN compares false with every
+threshold and an argmax still picks a label from a NaN row.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +61,7 @@ class QualityFigures:
     max_prob_diff: float | None = None
     order_agreement: float | None = None
     span_agreement: float | None = None
+    non_finite: int = 0  # texts whose answer holds a NaN or an infinity
 
     def to_dict(self) -> dict:
         return {k: (round(v, 8) if isinstance(v, float) else v)
@@ -125,6 +129,17 @@ def figures(manifest: Manifest, batches: list[TokenBatch], reference: list[np.nd
             candidate: list[np.ndarray]) -> QualityFigures:
     """The task's figures of ``candidate`` outputs against ``reference`` (float32) ones,
     batch by batch as ``gate_batches`` made them."""
+    bad = sum(_non_finite_rows(b, got) for b, got in zip(batches, candidate, strict=True))
+    return replace(_figures(manifest, batches, reference, candidate), non_finite=bad)
+
+
+def _non_finite_rows(batch: TokenBatch, got: np.ndarray) -> int:
+    """Rows of one batch's answer that hold a value that is not finite."""
+    return int((~np.isfinite(got.reshape(batch.rows, -1))).any(-1).sum())
+
+
+def _figures(manifest: Manifest, batches: list[TokenBatch], reference: list[np.ndarray],
+             candidate: list[np.ndarray]) -> QualityFigures:
     task = manifest.task
     if task is Task.TOKEN_CLASSIFY:
         both = either = 0
@@ -157,7 +172,11 @@ _CHECKS = (("min_cosine", "min_cosine", True), ("label_agreement", "min_label_ag
 
 
 def verdict(measured: QualityFigures, thresholds: GateThresholds) -> str | None:
-    """Why the precision is refused (the first figure past its threshold), or None."""
+    """Why the precision is refused (non-finite answers, or the first figure past its
+    threshold), or None."""
+    if measured.non_finite:
+        return (f"quality gate: {measured.non_finite} of {measured.texts} evaluation texts "
+                "answered NaN or infinity (non_finite)")
     for figure, key, at_least in _CHECKS:
         value, limit = getattr(measured, figure), getattr(thresholds, key)
         if value is None or limit is None:

@@ -121,6 +121,44 @@ def test_verdict_names_the_figure_its_value_and_the_threshold():
         in verdict(probs, GateThresholds(max_prob_diff=0.1))
 
 
+def test_a_precision_that_answers_nan_is_refused_at_any_threshold():
+    """A precision whose answers hold NaN is refused, however low the thresholds: a NaN
+    cosine compares false with every threshold, so the gate used to pass it (seen on a Xeon
+    with AMX: an int8 copy answered NaN on every shape at 16 threads). The fault is real: one
+    weight of the bfloat16 copy's last LayerNorm set to NaN, which reaches every pooled
+    vector."""
+    import torch
+
+    def load(p):
+        backend = load_backend(M, "torch", precision=p)
+        if p is Precision.BFLOAT16:
+            norms = [m for m in backend.module.modules() if isinstance(m, torch.nn.LayerNorm)]
+            with torch.no_grad():
+                norms[-1].weight[7] = float("nan")
+        return backend
+
+    backend, choice = choose(M, "torch", "bfloat16", GateThresholds(min_cosine=0.0), 1, load)
+    backend.close()
+    assert choice.refusal == ("quality gate: 32 of 32 evaluation texts answered NaN or "
+                              "infinity (non_finite)")
+    assert choice.measured["bfloat16"]["non_finite"] == 32
+
+
+def test_a_classifier_with_nan_logits_is_refused_though_its_labels_agree():
+    """np.argmax picks the first NaN as the label, so the labels of a NaN row may agree."""
+    from vllm_srun.runtime.types import Manifest, Pooling, Task, TokenBatch
+
+    m = Manifest("m", "/", "r", Task.CLASSIFY, Pooling.MEAN, True, 8, 2, "t")
+    one = [TokenBatch(np.ones((2, 4), np.int64), np.ones((2, 4), np.int64))]
+    ref = [np.array([[2.0, 0.0], [1.0, 0.0]], np.float32)]
+    got = [np.array([[np.nan, 0.0], [1.0, 0.0]], np.float32)]
+    c = figures(m, one, ref, got)
+    assert c.label_agreement == 1.0 and c.non_finite == 1
+    assert verdict(c, GateThresholds()) == (
+        "quality gate: 1 of 2 evaluation texts answered NaN or infinity (non_finite)")
+    assert figures(m, one, ref, ref).non_finite == 0
+
+
 def test_thresholds_outside_0_1_are_refused():
     with pytest.raises(ValueError, match="quality_gate.min_cosine must be within 0..1"):
         GateThresholds(min_cosine=2.0)
@@ -243,6 +281,7 @@ def test_classifier_rerank_and_token_figures(classifier_dir, cross_encoder_dir,
         _, choice = choose(m, "torch", "bfloat16", GateThresholds(), 1,
                            lambda p, m=m: load_backend(m, "torch", precision=p))
         out[m.task.value] = choice.measured["bfloat16"]
+    assert {t: o.pop("non_finite") for t, o in out.items()} == dict.fromkeys(out, 0)
     assert set(out["classify"]) == {"texts", "label_agreement", "max_prob_diff"}
     assert 0.0 <= out["classify"]["label_agreement"] <= 1.0
     assert 0.0 <= out["classify"]["max_prob_diff"] < 1.0
