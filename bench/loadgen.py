@@ -74,12 +74,19 @@ def run_load(url: str, texts: list[str], clients: int, duration_s: float,
     return asyncio.run(_run(url, payloads, clients, duration_s, model, think_s))
 
 
+class Refused(RuntimeError):
+    """The server answers, but its quality gate refused the precision it was asked for."""
+
+
 def wait_healthy(url: str, timeout_s: float = 300, path: str = "/health") -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
+            answer = httpx.get(url + path, timeout=2)
+            if answer.status_code == 200:
                 return
+            if "quality gate" in answer.text:  # a refused precision never becomes ready
+                raise Refused(f"{url}: {answer.text}")
         except httpx.HTTPError:
             pass
         time.sleep(0.2)

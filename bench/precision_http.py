@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.adaptive_wrk import lua, wrk
+from bench.loadgen import Refused
 from bench.precision import host
 from bench.run import Proc, free_port
 from vllm_srun.runtime.artifact import resolve
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--servers", default="",
-                        help="comma-separated substrings; run only servers whose name has one")
+                        help="comma-separated substrings (=NAME: that name exactly); run only "
+                             "servers whose name has one")
     parser.add_argument("--learn-s", type=float, default=120.0,
                         help="adaptive servers: seconds of 16-connection load before measuring")
     parser.add_argument("--out", default="bench/results/precision_http.json")
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     has_dtype = ours_has_dtype()
     wanted = [w for w in args.servers.split(",") if w]
     table = {k: v for k, v in server_table(args.infinity, has_dtype).items()
-             if not wanted or any(w in k for w in wanted)}
+             if not wanted or any(k == w[1:] if w.startswith("=") else w in k
+                                  for w in wanted)}
     before = host()
     print(f"{before['cpu']} (AMX {before['amx']}); {before['uptime']}; vllm-srun --dtype "
           f"{'supported' if has_dtype else 'NOT supported: float32 only, without the flag'}")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     results[name].append(measure(cmd, script.name, args.seconds, 1000 * r,
                                                  args.learn_s))
-                except (TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                except (TimeoutError, Refused, OSError, subprocess.SubprocessError) as exc:
                     print(f"{name}: did not run ({exc})", flush=True)
                     continue
                 print(line(name, results[name][-1:]), f"(round {r + 1}; load "

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 
 from bench.corpus import texts as make_texts
-from bench.loadgen import run_load, wait_healthy
+from bench.loadgen import Refused, run_load, wait_healthy
 from bench.pool import report_lines as pool_lines
 from bench.pool import run_all as run_pool
 from vllm_srun.runtime.artifact import resolve
@@ -97,7 +97,7 @@ class Proc:
                                      env={**os.environ, **(env or {})})
         try:
             wait_healthy(url, path=health)
-        except TimeoutError:
+        except (TimeoutError, Refused):
             self.stop()
             raise
 
