@@ -23,6 +23,8 @@ from vllm_srun.tuner.sim_calibration import (
     TimeModel,
     calibrated,
     fit_published,
+    log_error,
+    many_core_cells,
 )
 from vllm_srun.tuner.sim_model import (
     ConfigFit,
@@ -132,18 +134,34 @@ def test_the_many_core_fit_reproduces_the_published_figures():
     assert ratio == pytest.approx(loaded[16] / loaded[1], rel=0.15), ratio
 
 
-def test_past_two_threads_the_calibrated_model_follows_the_published_speed_ups():
-    """The host's 1- and 2-thread fit carries on past 2 threads with the published
-    contention: at 16 threads a one-row ~1,200-token forward keeps ``p16`` of its 1-thread
-    work (where the host's fit leaves room for it), and more threads never make the work
+def test_past_two_threads_the_calibrated_model_follows_the_measured_16_core_host():
+    """Past 2 threads the host's fit carries on with the scaling a 16-core Xeon measured
+    (``bench/results/precision_xeon16.json``: 4, 8 and 16 threads over 2, seven shapes): its
+    speed-ups within 20% in log rms for torch float32, 30% for the two whose cells of 3
+    rounds scatter (bfloat16's AMX kernels: 1 x 128 read 1.6x at 8 threads and 1.2x at 16;
+    onnxruntime: 1 x 32 read 2x slower at 4 threads than at 2, 1.7x faster at 8), and nearer
+    than the published figures bring them. The published fit misses torch float32's
+    16-thread forward of 8 x 256 tokens by more than 2x (its 16 threads also read slower
+    than 2 on one row of 8, where the Xeon's gained 1.2x). More threads never make the work
     slower (only sync does)."""
     p = fit_published()
-    for backend, precision in (("onnxruntime", "float32"), ("torch", "float32"),
-                               ("torch", "bfloat16")):
+    for (backend, precision), limit in ((("onnxruntime", "float32"), 0.3),
+                                        (("torch", "float32"), 0.2),
+                                        (("torch", "bfloat16"), 0.3)):
         fit = calibrated(backend, precision)
-        if fit.many.contention < 0.5:
-            assert fit.left(16, LONG_INPUT_TOKENS) == pytest.approx(p.p16, rel=1e-6)
+        cells = many_core_cells((backend, precision))
+        published = fit.with_many(p.many_core(fit.serial, fit.grain_tokens))
+        rms = float(np.sqrt(np.mean(log_error(fit, cells) ** 2)))
+        assert rms <= limit, (backend, precision, rms)
+        assert rms < float(np.sqrt(np.mean(log_error(published, cells) ** 2)))
         assert all(fit.parallel(n + 1) >= fit.parallel(n) for n in range(1, 64))
+    torch32 = calibrated("torch", "float32")
+    published = torch32.with_many(p.many_core(torch32.serial, torch32.grain_tokens))
+    long_ratio = {(r, t, n): m for r, t, n, m in many_core_cells(("torch", "float32"))}
+    measured = long_ratio[(8, 256, 16)]
+    assert measured / (published.quiet_ms(8, 256, 2) / published.quiet_ms(8, 256, 16)) > 2.0
+    assert published.quiet_ms(1, 8, 16) > published.quiet_ms(1, 8, 2)
+    assert long_ratio[(1, 8, 16)] > 1.1
 
 
 FACTS_XEON_QUIET_MS = {  # FACTS.md: torch float32, best of 7, (1 thread, 2 threads)

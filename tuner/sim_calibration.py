@@ -1,10 +1,14 @@
 """The simulator's calibration (``tuner/simulate.py``): the published many-core figures and what
-is fitted to them, the model of the measured host (``calibrated``: its forward table plus the
-published fit past 2 threads), and a fixed reference model for the tuner's tests.
+is fitted to them, a measured 16-core host's scaling and what is fitted to it, the model of the
+measured host (``calibrated``: its forward table, with the measured 16-core scaling past 2
+threads where that table has the configuration, else the published fit), and a fixed
+reference model for the tuner's tests.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -86,17 +90,74 @@ def fit_published() -> PublishedFit:
                         float((a16 / o - 1) / 15))
 
 
+# -- fitting a measured many-core table ---------------------------------------------------------
+
+# ``python -m bench.precision --counts 1,2,4,8,16`` on a 16-core Intel Xeon with AMX (one run of
+# 3 interleaved rounds, host otherwise idle; BENCHMARKS.md). Its forwards past 2 threads, as
+# ratios to its own 2-thread forward, are what ``fit_many_core`` fits: with the published
+# figures (above) the torch float32 model's 16-thread forward was about 2.8x too slow both on
+# 8 x 256 tokens and on one row of 8, where it read slower than 1 thread (rms error 0.64 in log
+# over this table's cells; the fit's 0.17).
+MANY_CORE_TABLE = TABLE.parent / "precision_xeon16.json"
+MANY_CORE_CONFIGS = {("torch", "float32"): "torch-float32", ("torch", "bfloat16"): "torch-bfloat16",
+                     ("onnxruntime", "float32"): "onnxruntime-float32"}
+# The grid the fit searches: contention up to 0.5 (past it e(n) stops growing), sync per thread
+# up to the whole 1-thread overhead.
+CONTENTION_GRID = np.linspace(0.0, 0.5, 101)
+SYNC_GRID = np.linspace(0.0, 1.0, 101)
+
+
+def many_core_cells(config: tuple[str, str],
+                    table: Path | str = MANY_CORE_TABLE) -> list[tuple[int, int, int, float]]:
+    """(rows, tokens, threads, t(2) / t(threads)) for every shape and count past 2 of the
+    measured table, from each cell's fastest forward (the statistic the forward table fits)."""
+    doc = json.loads(Path(table).read_text())
+    name = MANY_CORE_CONFIGS[config]
+    out = []
+    for row in doc["summary"]:
+        if row["config"] != name:
+            continue
+        rows, tokens = map(int, row["shape"].split("x"))
+        best = row["best_ms"]
+        out += [(rows, tokens, int(n), best["2"] / ms) for n, ms in best.items() if int(n) > 2]
+    if not out:
+        raise TableError(f"many-core table {table} has no {name} cells past 2 threads")
+    return out
+
+
+def log_error(fit: ConfigFit, cells: list[tuple[int, int, int, float]]) -> np.ndarray:
+    """Per cell: log of the model's t(2) / t(n) less log of the measured one."""
+    return np.array([math.log(fit.quiet_ms(r, t, 2) / fit.quiet_ms(r, t, n)) - math.log(m)
+                     for r, t, n, m in cells])
+
+
+def fit_many_core(fit: ConfigFit, cells: list[tuple[int, int, int, float]]) -> ManyCore:
+    """The ``ManyCore`` whose speed-ups over 2 threads, on the host's own 1- and 2-thread
+    fit, come nearest the measured ones (least squares in log over the grid)."""
+    best, best_sse = None, math.inf
+    for contention in CONTENTION_GRID:
+        for sync in SYNC_GRID:
+            many = ManyCore(float(contention), float(sync))
+            sse = float(np.sum(log_error(fit.with_many(many), cells) ** 2))
+            if sse < best_sse:
+                best, best_sse = many, sse
+    return best
+
+
 # -- the calibrated model ----------------------------------------------------------------------
 
 @cache
 def calibrated(backend: str = "onnxruntime", precision: str = "float32",
                table: Path | str = TABLE) -> ConfigFit:
     """The host-fitted model of one backend x precision (default: the default backend), with
-    the published many-core fit past 2 threads."""
+    the measured 16-core scaling past 2 threads (the published fit where that table lacks the
+    configuration)."""
     fits = fit_table(load_table(table))
     if (backend, precision) not in fits:
         raise TableError(f"forward table {table} has no {backend} {precision} cells")
     fit = fits[(backend, precision)]
+    if (backend, precision) in MANY_CORE_CONFIGS:
+        return fit.with_many(fit_many_core(fit, many_core_cells((backend, precision))))
     return fit.with_many(fit_published().many_core(fit.serial, fit.grain_tokens))
 
 

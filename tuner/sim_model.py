@@ -19,7 +19,8 @@ which ``serial`` does not parallelise, and the rest splits only as far as the fo
 rows of tokens to split (``grain``: the tokens at which a team gains half what it would on a
 large input; measured, a 1-row forward gains much less from a second thread than a 16-row
 one of as many tokens). The measured host has 2 vCPUs, so it pins ``e(n) = n`` for
-``n <= 2`` only. Beyond, the many-core model (``ManyCore``, fitted to published figures by
+``n <= 2`` only. Beyond, the many-core model (``ManyCore``, fitted to a measured 16-core
+table by ``sim_calibration.fit_many_core``, or to published figures by
 ``sim_calibration.fit_published``) takes over: ``e(n) = n / (1 + contention * (n - 2))`` (a
 team's threads gain less each, as memory bandwidth and barriers bind) and each thread past the
 second adds ``sync_growth * overhead``.
@@ -75,7 +76,7 @@ class TableError(ValueError):
 
 @dataclass(frozen=True)
 class ManyCore:
-    """How a team of more than 2 threads scales (fitted in ``sim_calibration.fit_published``)."""
+    """How a team of more than 2 threads scales (fitted in ``sim_calibration``)."""
 
     contention: float  # e(n) = n / (1 + contention * (n - 2)) beyond 2 threads
     sync_growth: float  # each thread past the second adds this many times ``overhead``

@@ -6,9 +6,12 @@ model and its cores.
   (``bench/results/forward_table.json``, ``python -m bench.forward_table``): per backend and
   precision, an overhead (part of it splitting across threads), sync, and work per row, per
   token and per token per token of length, with a serial fraction and a grain (small
-  forwards split less), at 1 and 2 threads. Past 2 threads it follows published
-  many-core figures (``sim_model.fit_published``: a 16-vCPU EPYC's one-row times by length, a
-  16-core Arm host's quiet 1 vs 16 thread times, a long input's 16-thread speed-up).
+  forwards split less), at 1 and 2 threads. Past 2 threads it follows a 16-core Intel
+  Xeon's measured speed-ups over 2 threads (``sim_calibration.fit_many_core``, 4, 8 and 16
+  threads on 7 shapes, ``bench/results/precision_xeon16.json``); a configuration that table
+  lacks follows published many-core figures (``sim_calibration.fit_published``: a 16-vCPU
+  EPYC's one-row times by length, a 16-core Arm host's quiet 1 vs 16 thread times, a long
+  input's 16-thread speed-up).
 - The host (``tuner/sim_host.py``) shares its cores among workers' served forwards (fair share
   at normal priority), a neighbour's threads, and idle-class shadows (only the cores left; they
   slow served forwards beside them); noise is a slowly varying host-wide factor times
@@ -22,10 +25,12 @@ model and its cores.
   left out.
 
 What is fitted: per backend x precision, the host model's parameters (to every cell of the
-measured table, least worst-cell relative error); past 2 threads, the work's share left at 16
-threads and the sync each thread adds (to the published 1/16-thread ratios), the 16-thread
-length curve (to the EPYC figures). What is assumed: that the published ratios, from other
-hosts and a larger model, carry over to this model as shares of its own overhead and work;
+measured table, least worst-cell relative error); past 2 threads, the contention and the
+sync each thread adds (to the 16-core Xeon's speed-ups over 2 threads, least squares in log;
+for other configurations the published 1/16-thread ratios and the EPYC's 16-thread length
+curve). What is assumed: that the Xeon's speed-ups over its own 2 threads carry over to the
+measured 2-vCPU host's 2-thread forward, and the published ratios, from other hosts and a
+larger model, to this model as shares of its own overhead and work;
 fair sharing of cores at normal priority (checked, not fitted, against the loaded Arm
 figure); idle-class shadows slowing served forwards in proportion to the cores they use
 (one 2-vCPU measurement); the noise's sizes and time constant; requests of one row each,
