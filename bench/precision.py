@@ -211,31 +211,51 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def summarise(ms: dict, counts: list[int]) -> list[dict]:
     """One row per (config, shape): median and best ms per count, the paired speedup of the
-    largest count over 1 with its interval, and the best count."""
+    largest count over the smallest with its interval, the paired lead of the count of the
+    least median over the runner-up (the next least median; per round, the runner-up's time
+    over its), the ``candidates`` (every count whose paired time over the fastest's has an
+    interval reaching 1 or below: not shown slower), and the best count: the fastest where it
+    is the only candidate, else a tie."""
     rows = []
     lo_n, hi_n = counts[0], counts[-1]
     for c, per_shape in ms.items():
         for s, per_count in per_shape.items():
             ratios = [a / b for a, b in zip(per_count[lo_n], per_count[hi_n], strict=True)]
             med, lo, hi = bootstrap_median(ratios)
-            best = hi_n if lo > 1 else lo_n if hi < 1 else "tie"
+            by_median = sorted(counts, key=lambda n: float(np.median(per_count[n])))
+            first, second = by_median[0], by_median[1]
+            lead = bootstrap_median([b / a for a, b in zip(per_count[first], per_count[second],
+                                                           strict=True)])
+            candidates = [n for n in counts if n == first or bootstrap_median(
+                [b / a for a, b in zip(per_count[first], per_count[n], strict=True)])[1] <= 1]
             rows.append({"config": c, "shape": s,
                          "median_ms": {n: float(np.median(v)) for n, v in per_count.items()},
                          "best_ms": {n: float(min(v)) for n, v in per_count.items()},
-                         "speedup": med, "speedup_ci95": [lo, hi], "best_count": best})
+                         "speedup": med, "speedup_ci95": [lo, hi],
+                         "fastest": first, "runner_up": second, "lead": lead[0],
+                         "lead_ci95": [lead[1], lead[2]], "candidates": candidates,
+                         "best_count": first if candidates == [first] else "tie"})
     return rows
 
 
 def verdict(rows: list[dict]) -> list[str]:
-    """Per config: does the best count change with input size?"""
+    """Per config: does the best count change with input size? It differs where two shapes'
+    candidates (the counts not shown slower than the fastest) have none in common."""
     lines = []
     for c in dict.fromkeys(r["config"] for r in rows):
-        bests = {r["shape"]: r["best_count"] for r in rows if r["config"] == c}
+        mine = [r for r in rows if r["config"] == c]
+        bests = {r["shape"]: r["best_count"] for r in mine}
         decided = {b for b in bests.values() if b != "tie"}
-        if len(decided) > 1:
+        sets = {r["shape"]: set(r.get("candidates") or [r["best_count"]]) for r in mine}
+        apart = [(a, b) for a in sets for b in sets if a < b and not sets[a] & sets[b]]
+        if apart:
+            a, b = apart[0]
+            what = (f"DIFFERS by input size ({a}: {sorted(sets[a])}, {b}: {sorted(sets[b])}; "
+                    f"{len(apart)} such pairs of shapes)")
+        elif len(decided) > 1:
             what = "DIFFERS by input size"
         elif decided and "tie" in bests.values():
-            what = f"{decided.pop()} or a tie (never the other count)"
+            what = f"{decided.pop()} or a tie (never another count)"
         elif decided:
             what = f"the same at every size ({decided.pop()})"
         else:
@@ -248,16 +268,39 @@ def verdict(rows: list[dict]) -> list[str]:
 def table(rows: list[dict], counts: list[int], cosine: dict) -> list[str]:
     lo_n, hi_n = counts[0], counts[-1]
     head = " | ".join(f"{n} thr ms (best)" for n in counts)
-    out = [f"| config | shape | {head} | {lo_n}thr/{hi_n}thr [95% CI] | best | min cos |",
-           "|---|---|" + "---|" * len(counts) + "---|---|---|"]
+    out = [f"| config | shape | {head} | {lo_n}thr/{hi_n}thr [95% CI] | fastest: its lead over "
+           "the runner-up [95% CI] | best | min cos |",
+           "|---|---|" + "---|" * len(counts) + "---|---|---|---|"]
     for r in rows:
         cells = " | ".join(f"{r['median_ms'][n]:.2f} ({r['best_ms'][n]:.2f})" for n in counts)
         lo, hi = r["speedup_ci95"]
+        lead = (f"{r['fastest']} over {r['runner_up']}: {r['lead']:.2f} "
+                f"[{r['lead_ci95'][0]:.2f}, {r['lead_ci95'][1]:.2f}]" if "lead" in r else "")
         cos = cosine.get(r["config"], {}).get(r["shape"])
         out.append(f"| {r['config']} | {r['shape']} | {cells} | {r['speedup']:.2f} "
-                   f"[{lo:.2f}, {hi:.2f}] | {r['best_count']} | "
+                   f"[{lo:.2f}, {hi:.2f}] | {lead} | {r['best_count']} | "
                    f"{'' if cos is None else f'{cos:.5f}'} |")
     return out
+
+
+def report(rows: list[dict], counts: list[int], cosine: dict) -> list[str]:
+    return [*table(rows, counts, cosine), "",
+            f"Does the best thread count differ by input size? (counts {counts})",
+            *verdict(rows)]
+
+
+def resummarise(path: Path) -> int:
+    """The summary and report of a stored run, made again from its rounds (``ms``)."""
+    doc = json.loads(path.read_text())
+    counts = [int(n) for n in doc["counts"]]
+    ms = {c: {s: {int(n): v for n, v in per.items()} for s, per in shapes.items()}
+          for c, shapes in doc["ms"].items()}
+    doc["summary"] = rows = summarise(ms, counts)
+    lines = report(rows, counts, doc["min_cosine_to_torch_float32"])
+    doc["report"] = [doc["report"][0], *lines]  # the run's own first line: rounds and load
+    path.write_text(json.dumps(doc, indent=1))
+    print("\n".join(lines))
+    return 0
 
 
 def host() -> dict:
@@ -278,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", default="bench/results/precision.json")
+    parser.add_argument("--resummarise", metavar="FILE",
+                        help="summarise the rounds stored in FILE again (in place), no forwards")
     args = parser.parse_args(argv)
+    if args.resummarise:
+        return resummarise(Path(args.resummarise))
     counts = sorted({int(x) for x in args.counts.split(",")})
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     if args.rounds < 2 or len(counts) < 2 or counts[0] < 1:
@@ -293,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(data["ms"], counts)
     lines = [f"{args.rounds} interleaved rounds in {time.perf_counter() - t0:.0f} s; "
              f"before: {before['uptime']}; after: {after['uptime']}",
-             *table(rows, counts, data["min_cosine_to_torch_float32"]), "",
-             f"Does the best thread count differ by input size? ({counts[0]} vs {counts[-1]})",
-             *verdict(rows)]
+             *report(rows, counts, data["min_cosine_to_torch_float32"])]
     print("\n".join(lines))
     Path(args.out).write_text(json.dumps({"host_before": before, "host_after": after,
                                           "counts": counts, "rounds": args.rounds, **data,

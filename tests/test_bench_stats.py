@@ -106,3 +106,24 @@ def test_sum_ratio_of_totals():
 def test_bootstrap_of_any_statistic():
     r = bootstrap([1.0, 2.0, 3.0, 4.0], max)
     assert r.estimate == 4.0 and 1.0 <= r.lo <= r.hi == 4.0
+
+
+def test_the_best_count_differs_by_size_only_where_no_count_is_best_at_both():
+    """bench.precision with more than two counts: a shape's candidates are the counts not
+    shown slower than the fastest (paired by round); the best count differs by size where
+    two shapes' candidates have none in common, however many ties there are."""
+    from bench.precision import summarise, verdict
+
+    rounds = 6
+    small = {1: [10.0] * rounds, 4: [8.0, 8.2] * 3, 8: [8.1, 7.9] * 3, 16: [11.0] * rounds}
+    large = {1: [100.0] * rounds, 4: [40.0] * rounds, 8: [30.0] * rounds,
+             16: [20.0, 21.0] * 3}
+    rows = summarise({"c": {"1x128": small, "8x256": large}}, [1, 4, 8, 16])
+    by = {r["shape"]: r for r in rows}
+    assert by["1x128"]["candidates"] == [4, 8] and by["1x128"]["best_count"] == "tie"
+    assert by["8x256"]["candidates"] == [16] and by["8x256"]["best_count"] == 16
+    (line,) = verdict(rows)
+    assert "DIFFERS by input size (1x128: [4, 8], 8x256: [16]" in line
+    same = summarise({"c": {"1x128": large, "8x256": large}}, [1, 4, 8, 16])
+    assert verdict(same) == ["- c: best count the same at every size (16) "
+                             "[1x128:16, 8x256:16]"]
