@@ -246,7 +246,7 @@ def verdict(rows: list[dict]) -> list[str]:
         mine = [r for r in rows if r["config"] == c]
         bests = {r["shape"]: r["best_count"] for r in mine}
         decided = {b for b in bests.values() if b != "tie"}
-        sets = {r["shape"]: set(r.get("candidates") or [r["best_count"]]) for r in mine}
+        sets = {r["shape"]: set(r["candidates"]) for r in mine}
         apart = [(a, b) for a in sets for b in sets if a < b and not sets[a] & sets[b]]
         if apart:
             a, b = apart[0]
@@ -275,7 +275,7 @@ def table(rows: list[dict], counts: list[int], cosine: dict) -> list[str]:
         cells = " | ".join(f"{r['median_ms'][n]:.2f} ({r['best_ms'][n]:.2f})" for n in counts)
         lo, hi = r["speedup_ci95"]
         lead = (f"{r['fastest']} over {r['runner_up']}: {r['lead']:.2f} "
-                f"[{r['lead_ci95'][0]:.2f}, {r['lead_ci95'][1]:.2f}]" if "lead" in r else "")
+                f"[{r['lead_ci95'][0]:.2f}, {r['lead_ci95'][1]:.2f}]")
         cos = cosine.get(r["config"], {}).get(r["shape"])
         out.append(f"| {r['config']} | {r['shape']} | {cells} | {r['speedup']:.2f} "
                    f"[{lo:.2f}, {hi:.2f}] | {lead} | {r['best_count']} | "
@@ -291,13 +291,17 @@ def report(rows: list[dict], counts: list[int], cosine: dict) -> list[str]:
 
 def resummarise(path: Path) -> int:
     """The summary and report of a stored run, made again from its rounds (``ms``)."""
-    doc = json.loads(path.read_text())
-    counts = [int(n) for n in doc["counts"]]
-    ms = {c: {s: {int(n): v for n, v in per.items()} for s, per in shapes.items()}
-          for c, shapes in doc["ms"].items()}
-    doc["summary"] = rows = summarise(ms, counts)
-    lines = report(rows, counts, doc["min_cosine_to_torch_float32"])
-    doc["report"] = [doc["report"][0], *lines]  # the run's own first line: rounds and load
+    try:
+        doc = json.loads(path.read_text())
+        counts = [int(n) for n in doc["counts"]]
+        ms = {c: {s: {int(n): v for n, v in per.items()} for s, per in shapes.items()}
+              for c, shapes in doc["ms"].items()}
+        doc["summary"] = rows = summarise(ms, counts)
+        lines = report(rows, counts, doc["min_cosine_to_torch_float32"])
+        doc["report"] = [doc["report"][0], *lines]  # the run's own first line: rounds, load
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"--resummarise {path}: not a stored bench.precision run "
+                         f"({type(exc).__name__}: {exc})") from exc
     path.write_text(json.dumps(doc, indent=1))
     print("\n".join(lines))
     return 0

@@ -14,12 +14,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from bench.precision import MODEL, Shape, forward, load_configs, text_batch
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
-from vllm_srun.runtime.quality import GateThresholds
+from vllm_srun.runtime.quality import GateThresholds, non_finite_rows
 from vllm_srun.runtime.selection import choose
 from vllm_srun.runtime.threads import ThreadContext
 
@@ -48,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                     batch = text_batch(Shape(rows, tokens), manifest.tokenizer_path)
                     cells = []
                     for n in counts:
-                        out = forward(context, backend, batch, n).outputs
-                        bad = int((~np.isfinite(out.reshape(rows, -1))).any(-1).sum())
+                        bad = non_finite_rows(batch, forward(context, backend, batch,
+                                                             n).outputs)
                         cells.append(f"{n} threads {bad}/{rows}")
                     print(f"{name} {shape}: rows not finite: {', '.join(cells)}", flush=True)
             finally:

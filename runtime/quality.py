@@ -129,11 +129,11 @@ def figures(manifest: Manifest, batches: list[TokenBatch], reference: list[np.nd
             candidate: list[np.ndarray]) -> QualityFigures:
     """The task's figures of ``candidate`` outputs against ``reference`` (float32) ones,
     batch by batch as ``gate_batches`` made them."""
-    bad = sum(_non_finite_rows(b, got) for b, got in zip(batches, candidate, strict=True))
+    bad = sum(non_finite_rows(b, got) for b, got in zip(batches, candidate, strict=True))
     return replace(_figures(manifest, batches, reference, candidate), non_finite=bad)
 
 
-def _non_finite_rows(batch: TokenBatch, got: np.ndarray) -> int:
+def non_finite_rows(batch: TokenBatch, got: np.ndarray) -> int:
     """Rows of one batch's answer that hold a value that is not finite."""
     return int((~np.isfinite(got.reshape(batch.rows, -1))).any(-1).sum())
 
