@@ -4,7 +4,9 @@ How it works: ``submit`` queues a request's rows and returns a future. One sched
 loops: drop requests whose deadline passed or whose caller gave up, pick the next forward
 with ``next_batch`` (policy), ask the threads policy which count serves it, run it on the
 thread context's lane for that count, hand each row its vector, and resolve a request once
-all its rows are done (a request is answered as one unit). The threads policy hears when each
+all its rows are done (a request is answered as one unit). A row whose answer holds NaN or
+infinity fails its request (``NonFiniteAnswer``, naming the input); the forward's other
+requests are answered. The threads policy hears when each
 served forward begins (``served_threads``) and ends (``observe``); the adaptive tuner runs its
 shadow passes on threads of its own and never on this one.
 
@@ -28,7 +30,12 @@ import numpy as np
 
 from vllm_srun.runtime.backend import Backend
 from vllm_srun.runtime.batching import PendingRow, next_batch
-from vllm_srun.runtime.errors import DeadlineExceeded, EngineStopped, RuntimeFault
+from vllm_srun.runtime.errors import (
+    DeadlineExceeded,
+    EngineStopped,
+    NonFiniteAnswer,
+    RuntimeFault,
+)
 from vllm_srun.runtime.threads import ThreadContext, thread_context
 from vllm_srun.runtime.types import EngineArgs, ForwardRecord, ForwardResult, TokenBatch
 
@@ -143,6 +150,7 @@ class Engine:
         self._running = False
         self._thread: threading.Thread | None = None
         self.forwards = 0
+        self.non_finite = 0  # requests failed for a NaN or infinity in an answer
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -250,15 +258,22 @@ class Engine:
 
     def _deliver(self, chosen: list[PendingRow], outputs: np.ndarray) -> None:
         done: list[_Request] = []
+        failed: dict[int, NonFiniteAnswer] = {}
         now = time.monotonic()
         with self._cond:
             self._expire(now)  # a result that came after its caller's deadline is discarded
             for row, vector in zip(chosen, outputs, strict=True):
                 req = self._requests.get(row.request_id)
-                if req is None:  # expired or cancelled while the forward ran
+                if req is None or row.request_id in failed:  # gone while the forward ran
                     continue
                 if vector.ndim == 2:  # per-token answer: cut the batch's padding off
                     vector = vector[: row.length]
+                if not np.isfinite(vector).all():
+                    failed[row.request_id] = NonFiniteAnswer(
+                        f"the model answered NaN or infinity for input {row.index}: there is "
+                        "no finite answer to return (another replica of this model answers "
+                        "the same)")
+                    continue
                 req.outputs[row.index] = vector
                 req.remaining -= 1
                 if req.remaining == 0:
@@ -268,6 +283,10 @@ class Engine:
             started = req.started_at if req.started_at is not None else now
             req.future.timing = RequestTiming(started - req.queued_at, now - started)
             _resolve(req.future, stack_rows(req.outputs))
+        for rid, exc in failed.items():
+            log.warning("non_finite_answer request=%d %s", rid, exc)
+            self.non_finite += 1
+            self._fail_requests({rid}, exc)
 
     def _expire(self, now: float) -> None:
         """Drop requests past their deadline or abandoned by their caller (lock held)."""

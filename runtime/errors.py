@@ -6,6 +6,7 @@
     ├── InputError         a request's input is invalid (names the field)
     │   └── InputTooLong   an input has more tokens than the model allows
     ├── Unsupported        the artifact or backend cannot do what was asked
+    │   └── NonFiniteAnswer  the model answered NaN or infinity for an input
     ├── DeadlineExceeded   the caller's deadline or timeout_ms passed before an answer
     └── EngineStopped      the engine is shutting down or has failed
 
@@ -44,6 +45,12 @@ class Unsupported(RuntimeFault):
     """The artifact or backend cannot do what was asked (e.g. classify without a head)."""
 
     code = "unsupported"
+
+
+class NonFiniteAnswer(Unsupported):
+    """The model's answer for an input holds NaN or infinity, which JSON cannot carry and no
+    caller can use. It follows from the weights and the input, so another replica of the same
+    model answers the same: a caller's error to see (422), not a replica's fault to eject."""
 
 
 class DeadlineExceeded(RuntimeFault):

@@ -171,3 +171,36 @@ def test_cache_is_an_lru_bounded_in_bytes_as_well_as_entries():
     by_entries.put(cache_key(False, "c"), row, 1)
     assert by_entries.get(cache_key(False, "b")) is None  # "a" was used since: it stays
     assert by_entries.get(cache_key(False, "a")) is not None and len(by_entries) == 2
+
+
+def test_an_input_answered_nan_fails_its_request_alone():
+    """A row whose answer holds NaN fails its own request with 422 ``unsupported`` naming the
+    input (JSON cannot carry NaN: it used to go out as null); the other requests of the same
+    forward are answered. The fault is real: the torch model's embedding of one token is set
+    to infinity, so any input holding that token answers NaN through the LayerNorm."""
+    import torch
+
+    from vllm_srun.runtime.errors import NonFiniteAnswer
+    from vllm_srun.server.frontend.errors import CODE_TO_STATUS
+
+    bad_token = 2000
+    torched = load_backend(resolve(L6), "torch")
+    with torch.no_grad():
+        torched.module.inner.embeddings.word_embeddings.weight[bad_token] = float("inf")
+    r = Runner(resolve(L6), torched, EngineArgs(num_threads=1))
+    r.start()
+    try:
+        engine = r.engine
+        blocker = engine.submit([LONG] * 16)  # the next two queue and share one forward
+        good = engine.submit([[101, 7592, 102]])
+        poisoned = engine.submit([[101, 7592, 102], [101, bad_token, 102]])
+        blocker.result(timeout=60)
+        assert np.isfinite(good.result(timeout=60)).all()
+        with pytest.raises(NonFiniteAnswer, match="NaN or infinity for input 1") as caught:
+            poisoned.result(timeout=60)
+        assert CODE_TO_STATUS[caught.value.code] == 422 and engine.non_finite == 1
+        again = engine.submit([[101, 7592, 102]]).result(timeout=60)  # the engine serves on
+        assert np.abs(again - good.result()).max() < 1e-5
+    finally:
+        r.stop()
+        torched.close()
