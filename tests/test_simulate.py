@@ -439,3 +439,28 @@ def test_a_run_summary_shows_learnings_cost_span_by_span():
     run = summarise("mode 2", out, workers=1, duration_s=60.0)
     assert run.spans == ((2.0, 0.5), (10.0, 0.0))
     assert table([run], 2)[-1].endswith("| 2.0 (50%), 10.0 |")
+
+
+def test_the_moving_best_bench_pairs_mode2_with_every_fixed_count_and_the_oracle():
+    """bench/moving_best.py at its smallest: every round serves one trace with mode 2 and
+    every fixed count; the oracle ratio is 1 only where each forward ran at its shape's
+    fastest count (checked by hand on the model), and mode 2's at most 1."""
+    from bench.moving_best import oracle_ratio, run
+
+    config = calibrated("torch", "bfloat16")
+    counts = (1, 2, 4, 8, 16)
+    fastest = [min(counts, key=lambda n, r=r, t=t: config.quiet_ms(r, t, n))
+               for r, t in ((1, 8), (8, 256))]
+    assert fastest[0] != fastest[1]  # the model's best count moves with size
+    assert oracle_ratio(config, [1, 8], [8, 256], fastest, counts) == pytest.approx(1.0)
+    slow = oracle_ratio(config, [1, 8], [8, 256], [1, 1], counts)
+    assert slow == pytest.approx(
+        (config.quiet_ms(1, 8, fastest[0]) + config.quiet_ms(8, 256, fastest[1]))
+        / (config.quiet_ms(1, 8, 1) + config.quiet_ms(8, 256, 1)))
+    out = run([1, 2], [0.5], 10.0)
+    level = out["levels"]["0.5"]
+    assert [set(r["fixed_ms"]) for r in level["rounds"]] == [{"1", "2", "4", "8", "16"}] * 2
+    for r in level["rounds"]:
+        assert r["vs_best_fixed"] == pytest.approx(min(r["fixed_ms"].values()) / r["mode2_ms"])
+        assert 0 < r["vs_oracle"] <= 1 and sum(r["served_threads"].values()) > 0
+    assert len(level["vs_oracle"]["ci95"]) == 2

@@ -245,6 +245,7 @@ class SimulatedHost:
         out.at_s.append(f.start_s)
         out.worker.append(w)
         out.rows.append(f.batch.rows)
+        out.lengths.append(f.batch.padded_tokens // f.batch.rows)
         out.explored.append(f.explored)
         out.latency_ms.extend((now_s - at) * 1000 for _, at in f.requests)
         if self.lanes and not self._workers[w].queue:

@@ -47,6 +47,7 @@ class Outcome:
     at_s: list[float] = field(default_factory=list)  # when each forward started
     worker: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # each forward's padded length per row
     explored: list[bool] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)  # per request: queue plus forward
     max_served_threads: int = 0  # most served threads at once, all workers together
