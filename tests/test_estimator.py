@@ -14,12 +14,14 @@ from vllm_srun.tuner.estimator import (
     choose,
     counts_needing_samples,
     estimate,
+    past_a_slower_count,
     served_cost_ms,
 )
 from vllm_srun.tuner.learning import Learner
 from vllm_srun.tuner.ledger import ExactnessLedger
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import RecordSync
+from vllm_srun.tuner.policy import explore_count
 from vllm_srun.tuner.ranges import RangeLearning
 from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.tally import Tally
@@ -55,6 +57,45 @@ def test_a_count_losing_2x_early_needs_no_more_samples():
     assert choose(samples, (1, 2), 1, 12, 0.05) == 1
     samples[2] = [25.0, 30.0, 12.0]  # one fast sample keeps it in
     assert counts_needing_samples(samples, (1, 2), 12) == [2]
+
+
+def test_counts_past_a_slower_one_are_not_timed_and_the_rest_decide():
+    """Time is unimodal in the count: on 16 cores from a configured 8, once 4's first three
+    forwards all ran slower than 8's median, 2 and 1 need no samples (a simulated 16-core
+    host timed each a dozen times per range at up to 8x its best count's cost); 4 itself is
+    still timed. 16 faster than 8 keeps every count above 8 in play."""
+    counts = (1, 2, 4, 8, 16)
+    samples = {8: [10.0, 10.4, 9.8], 4: [11.0, 11.5, 10.9], 16: [9.0, 9.5, 9.2]}
+    # fastest is 16: 8 (between 16 and 4) is slower than its median, so 4, 2, 1 are out
+    assert past_a_slower_count(samples, counts) == {1, 2, 4}
+    samples[16] = [10.5, 11.0, 10.8]  # now 8 is fastest: only 2 and 1 lie past slower 4
+    assert past_a_slower_count(samples, counts) == {1, 2}
+    assert counts_needing_samples(samples, counts, 12) == [4, 8, 16]
+    samples[4] = [11.0, 11.5, 9.9]  # one forward at 4 under 8's median: keep going down
+    assert past_a_slower_count(samples, counts) == set()
+    # the rule decides without 1 and 2 once the others have their samples
+    full = {8: [10.0] * 12, 4: [11.0] * 12, 16: [10.8] * 12}
+    assert choose(full, counts, 8, 12, 0.05) == 8
+    # the configured count itself past a slower one (never timed): the fastest decides
+    assert choose({1: [9.0] * 12, 2: [5.0] * 12, 4: [6.0] * 12}, (1, 2, 4, 8), 8, 12,
+                  0.05) == 2
+    # on two counts nothing lies past either
+    assert past_a_slower_count({1: [10.0] * 3, 2: [20.0] * 3}, (1, 2)) == set()
+
+
+def test_exploring_goes_outward_from_the_served_count():
+    """Mode 2 explores the counts next to the one it serves before those further out, so the
+    rule above can spare them."""
+    counts, vouched = (1, 2, 4, 8, 16), lambda n: True
+    need = [1, 2, 4, 8, 16]
+    assert explore_count({}, counts, 8, need, vouched) == 8
+    # 8 has three samples: 4 and 16 are next; 2 and 1 wait for 4's first three
+    assert explore_count({8: [1.0] * 3}, counts, 8, need, vouched) == 4
+    assert explore_count({8: [1.0] * 3, 4: [1.0] * 3}, counts, 8, need, vouched) == 16
+    got = {8: [1.0] * 3, 4: [1.0] * 3, 16: [1.0] * 3}
+    assert explore_count(got, counts, 8, need, vouched) == 2
+    # on two counts: the one with fewer samples, as before
+    assert explore_count({1: [1.0] * 4}, (1, 2), 1, [1, 2], vouched) == 2
 
 
 def test_the_change_detector_compares_one_count_with_itself_either_way():

@@ -32,6 +32,7 @@ from vllm_srun.records.voucher import Coverage
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.tuner.adaptive import AdaptiveThreads
+from vllm_srun.tuner.estimator import past_a_slower_count
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import Pending
 from vllm_srun.tuner.ranges import Phase
@@ -189,8 +190,9 @@ def test_a_range_a_sibling_learns_later_is_taken_up_at_the_next_record_read(tmp_
 
 def test_a_candidate_its_own_timing_rejects_sends_the_range_exploring(onnx, tmp_path):
     """R4.12, R4.13: a live sibling learned 2, but here 2 runs 5x slower than the configured
-    1: by the estimator's rule on its own samples the worker rejects 2, times every count and
-    learns from its own samples; the sibling's count is not taken up again."""
+    1: by the estimator's rule on its own samples the worker rejects 2, explores from its own
+    samples and learns 1; the sibling's count is not taken up again. 3 lies past 2, which ran
+    slower than 1, so it is not timed (``estimator.past_a_slower_count``)."""
     record = HostRecord(tmp_path / "r.sqlite")
     learned_by(unstarted(record))
     runner, b = start(SlowerAt(onnx, 2, 5.0), record, AdaptiveMode.LEARN, 1, COUNTS, STEADY)
@@ -203,7 +205,8 @@ def test_a_candidate_its_own_timing_rejects_sends_the_range_exploring(onnx, tmp_
         b.poll_record()
         r = b.learner.ranges[64]
         assert r.candidate is None and r.rejected == {2} and r.learned_from == "own"
-        assert len(r.samples[3]) >= FAST.learning.min_samples and r.learned != 2
+        assert len(r.samples[1]) >= FAST.learning.min_samples and r.learned == 1
+        assert not r.samples.get(3) and past_a_slower_count(r.samples, COUNTS) == {3}
     finally:
         runner.stop()
 

@@ -23,12 +23,23 @@ takes now:
 Contention is an input, not a mode: a neighbour that slows a count slows its recent samples,
 and the estimate follows them.
 
-The rule (``choose``): once every allowed count has ``min_samples`` (or has lost early: its
-first few already run ``LOSING`` times the best), the count with the lowest median wins; a
+The rule (``choose``): once every allowed count has ``min_samples`` or is ruled out
+(``ruled_out``: it lost early, its first few samples already running ``LOSING`` times the
+best; or it lies past a slower count, below), the count with the lowest median wins; a
 count other than the configured one replaces it only if its whole interval lies below the
 configured count's median less ``margin``. The change detector (``changed``): the median of
 recent forwards at one count moved by ``factor`` either way from that same count's estimate
 when the range was learned (R4.11: like against like, so a large speed-up never triggers it).
+
+Past a slower count (``past_a_slower_count``): forward time is unimodal in the count (it
+falls while more threads share the work, then rises as their synchronisation and the cores'
+shared caches and memory cost more than the split saves: FACTS.md's tables; the 16-core
+Xeon's, ``bench/results/precision_xeon16.json``), so once a count's first ``EARLY`` samples
+all ran slower than the fastest count's median, every count beyond it, on the far side from
+the fastest, is slower still and is not timed. Exploring outward from the count served
+(``policy.explore_count``) lets that rule spare the far counts: on a simulated 16-core host,
+each range timed 1 and 2 threads a dozen times each at up to 8x the cost of its best count
+(``bench/moving_best.py``).
 """
 
 from __future__ import annotations
@@ -109,10 +120,38 @@ def losing_counts(samples_by_count: Mapping[int, Sequence[float]],
     return {n for n, v in have.items() if min(v) > LOSING * best}
 
 
+def past_a_slower_count(samples_by_count: Mapping[int, Sequence[float]],
+                        counts: Sequence[int]) -> set[int]:
+    """Counts on the far side (from the fastest count so far) of a count whose first
+    ``EARLY`` samples, even the fastest, ran slower than the fastest count's median (see the
+    module docstring); that count itself is still timed."""
+    have = {n: samples_by_count[n] for n in counts if len(samples_by_count.get(n, ())) >= EARLY}
+    if len(have) < 2:
+        return set()
+    best = min(have, key=lambda n: typical(have[n]))
+    best_ms = typical(have[best])
+    ordered = sorted(counts)
+    at = ordered.index(best)
+    out: set[int] = set()
+    for side in (ordered[at + 1:], ordered[:at][::-1]):  # outward from the fastest
+        for i, n in enumerate(side):
+            if n in have and min(have[n]) > best_ms:
+                out.update(side[i + 1:])
+                break
+    return out
+
+
+def ruled_out(samples_by_count: Mapping[int, Sequence[float]],
+              counts: Sequence[int]) -> set[int]:
+    """Counts that need no more samples: lost early, or past a slower count."""
+    return losing_counts(samples_by_count, counts) | past_a_slower_count(samples_by_count,
+                                                                         counts)
+
+
 def counts_needing_samples(samples_by_count: Mapping[int, Sequence[float]],
                            counts: Sequence[int], target: int) -> list[int]:
-    """Counts with fewer than ``target`` samples that have not lost early."""
-    out = losing_counts(samples_by_count, counts)
+    """Counts with fewer than ``target`` samples that are not ``ruled_out``."""
+    out = ruled_out(samples_by_count, counts)
     return [n for n in counts if len(samples_by_count.get(n, ())) < target and n not in out]
 
 
@@ -122,10 +161,12 @@ def choose(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int
     docstring)."""
     if counts_needing_samples(samples_by_count, counts, min_samples):
         return None
-    out = losing_counts(samples_by_count, counts)
+    out = ruled_out(samples_by_count, counts)
     est = {n: estimate(samples_by_count[n]) for n in counts if n not in out}
     best = min(est, key=lambda n: (est[n].ms, n != configured, n))
-    base = est.get(configured) or estimate(samples_by_count[configured])
+    base = est.get(configured) or estimate(samples_by_count.get(configured, ()))
+    if base is None:  # never timed: past a count already slower than ``best``
+        return best
     if best != configured and est[best].high_ms >= base.ms * (1 - margin):
         return configured
     return best

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_srun.tuner.estimator import typical
+from vllm_srun.tuner.estimator import EARLY, typical
 
 # the report's vocabulary of range states lives with the state machine (``ranges``)
 from vllm_srun.tuner.ranges import RangeState
@@ -79,16 +79,20 @@ def shadow_plan(need: Sequence[int], window_due: bool, learned: int | None,
 
 def explore_count(samples: Mapping[int, Sequence[float]], counts: Sequence[int], serving: int,
                   need: Sequence[int], vouched: Callable[[int], bool]) -> int:
-    """The count a vouched exploring range serves next: the one with the fewest samples among
-    those it ``need``s now (ties: the one nearest the count it serves); when it may time none
-    now (other tasks hold their cores), the ``vouched`` count fastest so far (``serving``
-    before any has a few samples)."""
+    """The count a vouched exploring range serves next: of those it ``need``s now, the ones
+    on the frontier (every allowed count between it and ``serving`` has its first ``EARLY``
+    samples: exploring outward lets ``estimator.past_a_slower_count`` spare the far counts),
+    the one with the fewest samples (ties: the one nearest the count it serves); when it may
+    time none now (other tasks hold their cores), the ``vouched`` count fastest so far
+    (``serving`` before any has a few samples)."""
     if not need:
         known = [n for n in counts if len(samples.get(n, ())) >= 3 and vouched(n)]
         return min(known, key=lambda n: (typical(samples[n]), n != serving, n)) \
             if known else serving
-    return min(need, key=lambda n: (len(samples.get(n, ())),
-                                    abs(n.bit_length() - serving.bit_length()), n))
+    front = [n for n in need if all(len(samples.get(k, ())) >= EARLY for k in counts
+                                    if min(n, serving) < k < max(n, serving))]
+    return min(front or need, key=lambda n: (len(samples.get(n, ())),
+                                             abs(n.bit_length() - serving.bit_length()), n))
 
 
 __all__ = ["RangeState", "Summary", "clean_window", "explore_count", "likely_uninterrupted",
