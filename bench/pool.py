@@ -168,7 +168,7 @@ def memory_case(work: Path) -> list[dict]:
 def run_all(quick: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-pool-"))
     (work / "faults").mkdir()
-    duration = 2.5 if quick else 15.0
+    duration = 1.5 if quick else 15.0
     return {"hung": hung_case(work, duration), "dispatch": dispatch_case(work, duration),
             "overload": overload_case(work), "memory": [] if quick else memory_case(work)}
 

@@ -1,5 +1,8 @@
 """The whole comparison in one run: ``python -m bench.run [--quick] [--out DIR]``.
 
+``--quick`` (CI-sized): shorter loads and pool cases, and of the servers only those the
+report's ratios and oracle need (no unbatched server, no mode 1).
+
 Every server is started here, one at a time on the same machine, and driven by the same load
 generator (bench/loadgen.py) with the same texts; figures are read as ratios within this run.
 Writes ``report.md`` and ``results.json`` into the output folder.
@@ -111,7 +114,8 @@ class Proc:
         self.log.close()
 
 
-def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[str, callable]:
+def servers(infinity: str | None, record: str, neighbour: bool = False,
+            quick: bool = False) -> dict[str, callable]:
     py = sys.executable
     onnx = str(ensure_onnx(resolve(MODEL)))
     tok = resolve(MODEL).tokenizer_path
@@ -151,8 +155,9 @@ def servers(infinity: str | None, record: str, neighbour: bool = False) -> dict[
     table = {
         "vllm-srun (default threads)": ours(),
         "vllm-srun (2 threads)": ours("--threads", "2"),
-        "vllm-srun (2 threads, no batching)": ours("--threads", "2", "--max-num-seqs", "1"),
-        "vllm-srun adaptive mode 1 (1 thread, max 2)": ours(*adaptive, mode="1"),
+        **({} if quick else {
+            "vllm-srun (2 threads, no batching)": ours("--threads", "2", "--max-num-seqs", "1"),
+            "vllm-srun adaptive mode 1 (1 thread, max 2)": ours(*adaptive, mode="1")}),
         "vllm-srun adaptive mode 2 (1 thread, max 2)": ours(*adaptive, mode="2"),
         "fastapi+onnxruntime peer (2 threads)": fastapi_ort,
         "sentence-transformers+fastapi peer (2 threads)": st_fastapi,
@@ -217,12 +222,12 @@ def neighbour_proc() -> subprocess.Popen:
 
 
 def http_table(levels: list[int], duration_s: float, infinity: str | None, record: str,
-               neighbour: bool = False) -> dict:
+               neighbour: bool = False, quick: bool = False) -> dict:
     corpus = make_texts(20_000, seed=1)
     results: dict[str, dict] = {}
     busy = neighbour_proc() if neighbour else None
     try:
-        _drive(levels, duration_s, infinity, record, neighbour, corpus, results)
+        _drive(levels, duration_s, infinity, record, neighbour, corpus, results, quick)
     finally:
         if busy is not None:
             busy.kill()
@@ -230,8 +235,8 @@ def http_table(levels: list[int], duration_s: float, infinity: str | None, recor
     return results
 
 
-def _drive(levels, duration_s, infinity, record, neighbour, corpus, results) -> None:
-    for name, start in servers(infinity, record, neighbour).items():
+def _drive(levels, duration_s, infinity, record, neighbour, corpus, results, quick) -> None:
+    for name, start in servers(infinity, record, neighbour, quick).items():
         try:
             proc = start()
         except Exception as exc:  # a peer that cannot start is reported, not hidden
@@ -454,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--threads", "1", "--max-threads", "2", "--record", record, *small],
                    check=True, capture_output=True)
     duration = 1.5 if args.quick else 8.0
-    http = http_table(levels, duration, args.infinity, record)
+    http = http_table(levels, duration, args.infinity, record, quick=args.quick)
     busy = {} if args.quick else http_table(levels, duration, None, record, neighbour=True)
     default = http.get("vllm-srun (default threads)", {})
     short_fwd = short_forward_ms(50 if args.quick else 300)
