@@ -149,3 +149,25 @@ def test_a_range_decides_by_time_per_padded_token_so_its_size_mix_does_not_hide_
     for count, ms, tokens in draws(1.0, seed=1):
         flat.sample(64, r, count, ms, tokens)
     assert r.learned == 1
+
+
+def test_a_range_needs_the_samples_its_decision_waits_for():
+    """What a range still needs is judged on the samples the decision uses (per padded token):
+    2 threads ran its forwards on larger inputs, slower than 4 in ms but faster per token. By
+    ms, 1 lay past a slower count and was never timed, while the decision, per token, waited
+    for it: the range explored for good."""
+    settings = TunerSettings.of(background=False)
+    clock = [0.0]
+    learner = Learner(AdaptiveMode.LEARN, 4, (1, 2, 4), settings,
+                      ExactnessLedger(AdaptiveMode.LEARN, 4, 8),
+                      RecordSync(None, Scope("test-host", "rev1", "onnxruntime"),
+                                 lambda: clock[0]),
+                      ContentionWatch(settings, (1, 2, 4), lambda: clock[0], None), Tally(), "w")
+    r = learner.ranges.setdefault(64, RangeLearning())
+    for _ in range(12):
+        learner.sample(64, r, 4, 64.0, 64)  # 1.0 ms per token
+        learner.sample(64, r, 2, 0.8 * 127, 127)  # 0.8 per token, 101.6 ms
+    assert r.learned is None and learner.need(r) == [1]
+    for _ in range(12):
+        learner.sample(64, r, 1, 1.5 * 100, 100)
+    assert r.learned == 2

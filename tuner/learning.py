@@ -58,8 +58,11 @@ class Learner(Relearning):
 
     # -- what a range needs ----------------------------------------------------------------
     def need(self, r: RangeLearning) -> list[int]:
-        """Counts an exploring range still lacks ``min_samples`` of (``explored``)."""
-        return counts_needing_samples(r.samples, self.explored(r),
+        """Counts an exploring range still lacks ``min_samples`` of (``explored``), by the
+        samples ``update`` decides on (per padded token): a count ruled out by its times in
+        ms but not per token would be neither timed nor decided without, and the range would
+        explore for good."""
+        return counts_needing_samples(r.per_token, self.explored(r),
                                       self.settings.learning.min_samples)
 
     def explored(self, r: RangeLearning) -> tuple[int, ...]:
