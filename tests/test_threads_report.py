@@ -166,3 +166,16 @@ def test_progress_lines_and_eta():
     assert tty.getvalue().startswith("\rverify: [############............] 2/4 shapes; 50%")
     assert (eta_s(10, 0, 5), clock_text(3725), clock_text(None)) == (None, "1:02:05", "?")
     assert np.isclose(eta_s(10, 1, 5), 40)
+
+
+def test_a_count_past_a_slower_one_is_reported_as_not_timed():
+    """With counts 1, 2, 4 and 2 slower than the configured 4, 1 is never timed: the report
+    says why instead of a bare dash."""
+    r = RangeLearning(Phase.EXPLORING, samples={4: [10.0] * 12, 2: [14.0] * 12})
+    rep = build(ReportInput(AdaptiveMode.LEARN, 4, (1, 2, 4), {32: r},
+                            RecordState(SCOPE, Voucher(0, 0, False), None, None),
+                            DecisionRule(S.learning.margin, S.learning.min_samples)))
+    counts = rep["ranges"][0]["counts"]
+    assert counts["1"] == {"median_ms": None, "interval_ms": None, "p90_ms": None,
+                           "samples": 0, "not_timed": "past a slower count"}
+    assert "not_timed" not in counts["2"] and "past slower" in table(rep)

@@ -27,7 +27,7 @@ def table(report: dict) -> str:
         for n in counts:
             c = r["counts"][n]
             low, high = c.get("interval_ms") or (c["median_ms"], c["median_ms"])
-            cells.append("-" if not c["samples"] else
+            cells.append(("past slower" if c.get("not_timed") else "-") if not c["samples"] else
                          f"{c[report['decision_statistic']]:.2f} [{low:.2f}-{high:.2f}]/"
                          f"{c['p90_ms']:.2f}/{c['samples']}")
         cells += [str(r["learned_threads"] or "-"),
