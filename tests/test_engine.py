@@ -182,6 +182,7 @@ def test_an_input_answered_nan_fails_its_request_alone():
 
     from vllm_srun.runtime.errors import NonFiniteAnswer
     from vllm_srun.server.frontend.errors import CODE_TO_STATUS
+    from vllm_srun.server.worker.metrics import WorkerMetrics
 
     bad_token = 2000
     torched = load_backend(resolve(L6), "torch")
@@ -199,6 +200,8 @@ def test_an_input_answered_nan_fails_its_request_alone():
         with pytest.raises(NonFiniteAnswer, match="NaN or infinity for input 1") as caught:
             poisoned.result(timeout=60)
         assert CODE_TO_STATUS[caught.value.code] == 422 and engine.non_finite == 1
+        page = WorkerMetrics("r").render(0, non_finite=engine.non_finite).decode()
+        assert 'vllm_srun_non_finite_answers{replica="r"} 1.0' in page
         again = engine.submit([[101, 7592, 102]]).result(timeout=60)  # the engine serves on
         assert np.abs(again - good.result()).max() < 1e-5
     finally:

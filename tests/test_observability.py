@@ -104,6 +104,7 @@ def test_metrics_request_ids_and_json_logs_of_a_real_server(tmp_path):
         "locked": 0, "learning": 1, "serving": 0, "retired": 0} and rep["state"] == "learning"
     assert m[("vllm_srun_learning_retired", replica)] == 0
     assert m[("vllm_srun_learning_voucher", replica)] == 0
+    assert m[("vllm_srun_non_finite_answers", replica)] == 0  # every answer was finite
     for rng in rep["ranges"]:
         labels = (*replica, ("size_range", rng["size_range"]))
         assert m[("vllm_srun_range_served_threads", labels)] == rng["served_threads"] == 1

@@ -98,7 +98,9 @@ def create_worker_app(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) ->
     async def prometheus(_request: Request) -> Response:
         hits = loaded.runner.cache.hits if loaded.runner is not None else 0
         limited = worker.cores.limited if worker.cores is not None else None
-        return Response(metrics.render(hits, worker.threads_report(loaded.runner), limited),
+        bad = loaded.runner.engine.non_finite if loaded.runner is not None else 0
+        return Response(metrics.render(hits, worker.threads_report(loaded.runner), limited,
+                                       bad),
                         media_type="text/plain; version=0.0.4")
 
     return Starlette(routes=[Route(protocol.HEALTH, health),

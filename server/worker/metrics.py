@@ -59,6 +59,9 @@ class WorkerMetrics:
         self.range_state = Gauge("vllm_srun_range_state",
                                  "1 for each input-size range's learning state, 0 for the others",
                                  ["replica", "size_range", "state"], registry=r)
+        self.non_finite = Gauge(
+            "vllm_srun_non_finite_answers", "Requests failed because the model answered NaN "
+            "or infinity for one of their inputs (since start)", ["replica"], registry=r)
         self.core_limited = Gauge(
             "vllm_srun_shared_cores_limited_forwards", "Forwards served at a lower count "
             "than wanted because the CPU workers of the host together would have passed the "
@@ -88,10 +91,11 @@ class WorkerMetrics:
                 self.range_state.labels(*labels, state.value).set(state.value == rng["state"])
 
     def render(self, cache_hits: int, threads_report: dict | None = None,
-               core_limited: int | None = None) -> bytes:
+               core_limited: int | None = None, non_finite: int = 0) -> bytes:
         """``core_limited``: ``SharedCores.limited`` where the worker shares the host's
-        cores, else None (no sample)."""
+        cores, else None (no sample); ``non_finite``: ``Engine.non_finite``."""
         self.cache_hits.labels(self.replica).set(cache_hits)
+        self.non_finite.labels(self.replica).set(non_finite)
         if core_limited is not None:
             self.core_limited.labels(self.replica).set(core_limited)
         if threads_report is not None:

@@ -80,4 +80,6 @@ class LocalReplica(Replica):
 
     async def metrics_text(self) -> str | None:
         hits = self.runner.cache.hits if self.runner is not None else 0
-        return self.metrics.render(hits, self.worker.threads_report(self.runner)).decode()
+        bad = self.runner.engine.non_finite if self.runner is not None else 0
+        return self.metrics.render(hits, self.worker.threads_report(self.runner),
+                                   non_finite=bad).decode()
