@@ -40,7 +40,7 @@ from bench.stats import bootstrap
 from vllm_srun.tuner.modes import allowed_counts
 from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.sim_calibration import ConfigFit, TimeModel, calibrated
-from vllm_srun.tuner.simulate import SimulatedHost, request_length, request_trace
+from vllm_srun.tuner.simulate import SimulatedHost, trace_at_load
 
 OUT = Path(__file__).parent / "results" / "moving_best.json"
 CORES = 16
@@ -60,10 +60,7 @@ def oracle_ratio(config: ConfigFit, rows: Sequence[int], lengths: Sequence[int],
 
 def round_of(config: ConfigFit, load: float, seed: int, seconds: float) -> dict:
     """One seed at one load: every server's mean latency on the same trace."""
-    rng = np.random.default_rng(seed)
-    mean_ms = float(np.mean([config.quiet_ms(1, request_length(rng), CONFIGURED)
-                             for _ in range(4000)]))
-    trace = request_trace(load * 1000 / mean_ms, seconds, seed)
+    trace = trace_at_load(config, load, 1, CONFIGURED, seconds, seed)
     counts = allowed_counts(CONFIGURED, CORES)
 
     def host(fixed: int | None) -> SimulatedHost:

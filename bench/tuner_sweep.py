@@ -47,9 +47,8 @@ from vllm_srun.tuner.simulate import (
     Neighbour,
     SimulatedHost,
     ledger,
-    request_length,
-    request_trace,
     shifting_neighbour,
+    trace_at_load,
 )
 
 OUT = Path(__file__).parent / "results" / "tuner_sweep.json"
@@ -69,7 +68,6 @@ SWEEP: dict[str, tuple] = {
 
 def _scenario(name: str, seed: int, config):
     """(cores, workers, configured, trace, neighbours, duration) of one scenario and seed."""
-    rng = np.random.default_rng(seed)
     if name.startswith("2 cores"):
         cores, workers, configured, duration, load = 2, 1, 1, 120.0, 0.6
     elif name == "16 cores":
@@ -77,9 +75,7 @@ def _scenario(name: str, seed: int, config):
     else:
         cores, workers, configured, duration, load = 64, 8, 8, 120.0, 0.5
     per_worker = max(1, cores // workers) if workers > 1 else configured
-    mean_ms = float(np.mean([config.quiet_ms(1, request_length(rng), per_worker)
-                             for _ in range(4000)]))
-    trace = request_trace(load * workers * 1000 / mean_ms, duration, seed)
+    trace = trace_at_load(config, load, workers, per_worker, duration, seed)
     if name == "2 cores":
         neighbours = []
     elif name == "2 cores, neighbour":

@@ -98,6 +98,17 @@ def request_trace(rate_per_s: float, duration_s: float, seed: int) -> list[Arriv
     return out
 
 
+def trace_at_load(config: ConfigFit, load: float, workers: int, threads: int,
+                  duration_s: float, seed: int) -> list[Arrival]:
+    """Poisson arrivals of FACTS.md's length mix (``request_trace``) at ``load`` times what
+    ``workers`` workers serve at ``threads`` threads each on a quiet host, one row per forward
+    (a lower bound on capacity: batching raises it)."""
+    rng = np.random.default_rng(seed)
+    mean_ms = float(np.mean([config.quiet_ms(1, request_length(rng), threads)
+                             for _ in range(4000)]))
+    return request_trace(load * workers * 1000 / mean_ms, duration_s, seed)
+
+
 def shifting_neighbour(cores: int, duration_s: float, seed: int,
                        mean_hold_s: float = 30.0) -> list[Neighbour]:
     """A neighbour holding a level drawn uniformly from 0..cores/2 busy threads, each level for
@@ -218,12 +229,7 @@ def many_core(seed: int = 1, duration_s: float = 300.0, cores: int = 64, workers
     ``configured`` (default R2.3's: half the cores, at most 16: every worker's default
     on a host it does not split) is mode 2's configured count."""
     config = config or calibrated()  # the measured host's default backend
-    share = max(1, cores // workers)
-    rng = np.random.default_rng(seed)
-    mean_ms = float(np.mean([config.quiet_ms(1, request_length(rng), share)
-                             for _ in range(4000)]))
-    rate = load * workers * 1000 / mean_ms
-    trace = request_trace(rate, duration_s, seed)
+    trace = trace_at_load(config, load, workers, max(1, cores // workers), duration_s, seed)
     neighbours = shifting_neighbour(cores, duration_s, seed + 1)
     configured = configured or max(1, min(16, cores // 2))
     counts = allowed_counts(configured, cores)
