@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 
 from vllm_srun.records.host_record import Scope
-from vllm_srun.tuner.contention import ContentionWatch
+from vllm_srun.runtime.types import ForwardResult, TokenBatch
+from vllm_srun.tuner.contention import FreeCores
 from vllm_srun.tuner.estimator import (
     changed,
     choose,
     counts_needing_samples,
     estimate,
+    fastest_under,
+    load_factor,
     past_a_slower_count,
     served_cost_ms,
 )
@@ -123,7 +126,7 @@ def _learner(mode: AdaptiveMode = AdaptiveMode.LEARN) -> Learner:
     return Learner(mode, 1, (1, 2), settings, ExactnessLedger(mode, 1, 8),
                    RecordSync(None, Scope("test-host", "rev1", "onnxruntime"),
                               lambda: clock[0]),
-                   ContentionWatch(settings, (1, 2), lambda: clock[0], None), Tally(), "w")
+                   FreeCores(None, 0.1), Tally(), "w")
 
 
 def test_a_range_decides_by_time_per_padded_token_so_its_size_mix_does_not_hide_a_speedup():
@@ -162,7 +165,7 @@ def test_a_range_needs_the_samples_its_decision_waits_for():
                       ExactnessLedger(AdaptiveMode.LEARN, 4, 8),
                       RecordSync(None, Scope("test-host", "rev1", "onnxruntime"),
                                  lambda: clock[0]),
-                      ContentionWatch(settings, (1, 2, 4), lambda: clock[0], None), Tally(), "w")
+                      FreeCores(None, 0.1), Tally(), "w")
     r = learner.ranges.setdefault(64, RangeLearning())
     for _ in range(12):
         learner.sample(64, r, 4, 64.0, 64)  # 1.0 ms per token
@@ -171,3 +174,90 @@ def test_a_range_needs_the_samples_its_decision_waits_for():
     for _ in range(12):
         learner.sample(64, r, 1, 1.5 * 100, 100)
     assert r.learned == 2
+
+
+# -- contention is an input (R4.13) ---------------------------------------------------------
+
+def test_the_load_factor_of_the_cores_other_tasks_hold():
+    """A forward waits for its slowest thread: one whose core another task wants runs at half
+    pace while it does (``1 + min(2h, 1)`` for ``h`` cores used by other tasks), never faster
+    than the fluid bound ``n / free``. Measured on a 2-core host beside one CPU-bound
+    process (1.24-1.58 cores free read with 2 threads serving, 0.93-1.12 with 1): 2 threads
+    2x slower, 1 thread not slower."""
+    assert load_factor(2, None) == 1.0 and load_factor(2, 2.0) == 1.0 == load_factor(2, 3.5)
+    assert load_factor(2, 1.0) == 2.0 and load_factor(1, 1.0) == 1.0
+    assert load_factor(2, 1.5) == 2.0 and load_factor(2, 1.24) == 2.0
+    assert load_factor(2, 1.75) == 1.5 and load_factor(2, 0.5) == 4.0
+    assert load_factor(16, 15.0) == 2.0 and load_factor(16, 8.0) == 2.0  # one core; half each
+    assert load_factor(1, 0.5) == 2.0 and load_factor(2, 0.0) == 20.0  # nothing left: bounded
+    for free in (0.3, 1.0, 1.7, 3.0, 7.5, 15.0):  # never cheaper with more threads
+        factors = [load_factor(n, free) for n in (1, 2, 4, 8, 16)]
+        assert factors == sorted(factors), (free, factors)
+
+
+def test_a_learned_count_gives_way_only_where_the_held_cores_make_a_lower_one_faster():
+    """Mode 2's serving rule under contention: each count's estimate times the load factor
+    now; the learned count keeps ties and serves where no estimate says otherwise."""
+    est = {1: 1.7, 2: 1.0}  # 2 threads 1.7x faster with the cores free
+    assert fastest_under(est, None, 2) == 2 and fastest_under(est, 2.0, 2) == 2
+    assert fastest_under(est, 1.0, 2) == 1  # 2.0 against 1.7
+    assert fastest_under(est, 1.75, 2) == 2  # 1.5 against 1.7
+    assert fastest_under({1: 1.2, 2: 1.0}, 1.75, 2) == 1  # a small speed-up gives way sooner
+    assert fastest_under({1: 1.5, 2: 1.0}, 1.75, 2) == 2  # a tie keeps the learned count
+    assert fastest_under({1: 1.7}, 1.0, 2) == 2  # the learned count has no estimate
+    est16 = {4: 2.5, 8: 2.2, 16: 1.6}
+    assert fastest_under(est16, 16.0, 16) == 16 and fastest_under(est16, 15.0, 16) == 8
+    assert fastest_under(est16, 3.0, 16) == 4  # 4 at 2x (a core held), 8 at 2.67x, 16 5.33x
+
+
+class _Window:
+    """Readings of ``free_cpu_s`` as ``FreeCpus.latest`` gives them, with the cores other
+    tasks leave set by hand: (now, cumulative free seconds)."""
+
+    def __init__(self) -> None:
+        self.now, self.free_s, self.cores = 0.0, 0.0, 2.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.free_s += self.cores * seconds
+
+    def __call__(self) -> tuple[float, float]:
+        return self.now, self.free_s
+
+
+def test_free_cores_are_read_over_whole_windows_and_stale_readings_say_nothing():
+    reading = _Window()
+    free = FreeCores(reading, 0.1)
+    assert free.at(0.0) is None  # no window yet
+    reading.advance(0.05)
+    assert free.at(0.05) is None  # not a whole window
+    reading.advance(0.06)
+    assert free.at(0.11) == pytest.approx(2.0)
+    reading.cores = 1.0
+    reading.advance(0.05)
+    assert free.at(0.16) == pytest.approx(2.0)  # the last whole window still
+    reading.advance(0.1)
+    assert free.at(0.26) == pytest.approx(1.0)  # from 0.11 s on: the window began there
+    reading.advance(5.0)  # no forward read for 5 s: the next window says nothing
+    assert free.at(5.26) is None
+    assert free.at(6.0) is None  # the reader stopped: its last reading is too old
+    assert FreeCores(None, 0.1).at(1.0) is None
+
+
+def test_a_served_sample_beside_held_cores_is_the_counts_time_with_its_cores_free():
+    """A served forward at 2 threads while other tasks left 1 of 2 cores took 2x its time:
+    the sample is its time divided by the load factor; at 1 thread it is taken as it is."""
+    reading = _Window()
+    learner = _learner()
+    learner.free_cores = FreeCores(reading, 0.1)
+    reading.cores = 1.0
+    for _ in range(3):
+        reading.advance(0.1)
+        learner.free_cores.at(reading.now)
+    batch = TokenBatch(np.ones((1, 64), np.int64), np.ones((1, 64), np.int64))
+    out = np.zeros((1, 4), np.float32)
+    learner.served(batch, ForwardResult(out, 2, 2, 0.040), None, True, reading.now)
+    learner.served(batch, ForwardResult(out, 1, 1, 0.030), None, True, reading.now)
+    r = learner.ranges[64]
+    assert r.samples == {2: [pytest.approx(20.0)], 1: [pytest.approx(30.0)]}
+    assert learner.tally.samples_scaled == 1 and learner.tally.served_samples == 2

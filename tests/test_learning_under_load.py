@@ -112,7 +112,7 @@ def shadowed_runner(manifest, backend, mode: AdaptiveMode, scope: Scope, record:
                     pause=None, free_cpus: bool = True):
     """A runner with the tuner wired as a deployment wires it: shadows in the SCHED_IDLE
     child process, frozen beside timed forwards (``pause``: the test may wrap it), the free
-    cores read from /proc (``free_cpus``; without, contention is probed)."""
+    cores read from /proc (``free_cpus``; without, nothing is scaled by them)."""
     shadows = ShadowProcess(manifest, "onnxruntime")
     runner = Runner(manifest, backend, args, on_forward=on_forward)
     free = FreeCpus(lambda: (shadows.process.pid,)) if free_cpus else None
@@ -315,15 +315,14 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     assert not os.path.exists(f"/proc/{shadows.process.pid}/task")  # closed: gone
 
 
-@pytest.mark.parametrize("free_cpus", [True, False], ids=["free-cores", "probes"])
-def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(tmp_path,
-                                                                                free_cpus):
-    """Mode 2 serving a learned 2 threads (vouched): a CPU-bound neighbour takes a core and
-    2 threads run ~2x slower while 1 thread does not slow; mode 2 serves 1 thread within a
-    few forwards, and serves 2 again once the neighbour leaves: the free cores read from
-    /proc say so (then no probes), or, where they are not read, a forward at 2 threads every
-    0.25 s, two fast ones in a row. A neighbour this brief relearns nothing. Real L3 on
-    onnxruntime, a real neighbour process, the real SCHED_IDLE shadow process."""
+def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(tmp_path):
+    """R4.13: mode 2 serving a learned 2 threads (vouched): a CPU-bound neighbour takes a
+    core, 2 threads run ~2x slower while 1 thread does not slow, and the free cores read from
+    /proc say so: by the load factor (``estimator.load_factor``: 2x at 2 threads, 1x at 1)
+    1 thread is faster, and serves within a few windows; 2 threads serve again once the
+    neighbour leaves and the next window reads its core free. Nothing probes, and a
+    neighbour this brief relearns nothing. Real L3 on onnxruntime, a real neighbour process,
+    the real SCHED_IDLE shadow process."""
     manifest = resolve(L3)
     backend = load_backend(manifest, "onnxruntime")
     record = HostRecord(tmp_path / "r.sqlite")
@@ -336,8 +335,7 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
     runner, tuner, _ = shadowed_runner(
         manifest, backend, AdaptiveMode.SERVE, scope, record,
         TunerSettings.of(min_samples=6, window=3, budget_fraction=1.0),
-        EngineArgs(num_threads=1, cache_entries=0), on_forward=forwards.append,
-        free_cpus=free_cpus)
+        EngineArgs(num_threads=1, cache_entries=0), on_forward=forwards.append)
     lo = size_range(128)[0]
     salt = iter(range(10**6))
 
@@ -355,72 +353,37 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
             if (r := tuner.learner.ranges.get(lo)) is not None and r.serving:
                 break
         r = tuner.learner.ranges[lo]
-        assert r.learned == 2 and r.serving, (r.learned, r.serving, r.samples)
+        assert r.learned == 2 and r.serving, (r.learned, r.serving, r.samples, tuner.tally)
         assert serve(10).count(2) >= 9
         neighbour = hog()
         beside = serve(60)
-        while not free_cpus and tuner.tally.contended < 8 and len(beside) < 180:
-            # probes predict from each count's recent slowdowns: on a loaded host (the
-            # suite's earlier tests) 1 thread beside the neighbour ran 1.55x its learned
-            # time too, and 60 forwards held 4 fallbacks once; more time, same bar
-            beside += serve(20)
-        # measured with probes: 1 thread served 10-51 of these 60 (the kernel at times
-        # gives the 2 threads both cores for a while; a probe then ends it until 3 forwards
-        # show it again)
-        gave_way = tuner.tally.contended >= 8 and beside.count(1) >= 8
-        faster = True  # 1 thread beside the neighbour faster than 2 (it is, where read)
-        if not free_cpus and not gave_way:
-            # probes decide by speed alone: where the host (CI once) ran 1 thread beside the
-            # neighbour as slow per token as 2, staying at 2 was right; timed here, beside
-            # the neighbour, side by side, and then only the rest is asserted (no relearn,
-            # 2 threads once it leaves)
-            one, two = beside_times(backend, salt)
-            faster = two >= 1.25 * one
-            print(f"beside the neighbour 1 thread took {one * 1e3:.1f} ms, 2 threads "
-                  f"{two * 1e3:.1f} ms")
-        if faster:
-            assert gave_way, (tuner.tally.contended, beside, tuner.learner.ranges[lo].baselines,
-                              {n: list(v) for n, v in tuner.contention._slowdowns.items()})
-        print("beside", beside, tuner.tally.contended, tuner.tally.contention_probes)
-        if free_cpus:  # the neighbour holds its core: nothing ends it, nothing probes
-            # (measured: 1 thread from the 5th-22nd of these forwards on, every one after)
-            assert tuner.tally.contention_probes == 0 and tuner.contention.freed == 0
-            assert beside[beside.index(1):].count(2) <= 2, beside
-        elif faster:
-            assert tuner.tally.contention_probes >= 1
+        # by the load factor (2x at 2 threads beside one core held, 1x at 1 thread), 1
+        # thread is faster where 2 threads' speed-up is under 2x; here it is 1.7-1.85x
+        # quiet, and as learned 1.5-2.2x (10 runs: samples are scaled by the cores read,
+        # which a quiet host's other processes put at 1.9-2.0). Measured where the learned
+        # speed-up was under 1.9x (7 of 10 runs): 1 thread from the 5th-8th of these
+        # forwards on, every one after; above 2x, 2 threads all along
+        speedup = r.baselines[(1, "shadow")] / r.baselines[(2, "shadow")]
+        if speedup < 1.9:
+            assert tuner.tally.contended >= 8 and 1 in beside, (beside, speedup)
+            after_first = beside[beside.index(1):]
+            assert after_first.count(1) >= 0.9 * len(after_first), (beside, speedup)
+        elif speedup > 2.1:
+            assert beside.count(2) >= 0.9 * len(beside), (beside, speedup)
         neighbour.kill()
         neighbour.wait(10)
         neighbour = None
-        back = time.monotonic() + 10  # free cores, or two fast probes 0.25 s apart, end it
+        back = time.monotonic() + 10  # the next windows read its core free
         while time.monotonic() < back and serve(10).count(2) < 9:
             pass
         after = serve(40)
         assert after.count(2) >= 36, after
         assert tuner.learner.ranges[lo].relearns == 0 and tuner.ledger.retired is None
-        if free_cpus:
-            assert tuner.contention.freed >= 1 and tuner.tally.contention_probes == 0
     finally:
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait(10)
         runner.stop()
-
-
-def beside_times(backend, salt, rounds: int = 3) -> tuple[float, float]:
-    """Median seconds of a forward of 128 padded tokens at 1 and at 2 threads on
-    ``backend`` (the served side idle meanwhile), in runs of 4 at each count in turn, the
-    first of each run untimed: onnxruntime's 2-thread pool spins on after a forward, and
-    a 1-thread forward just after one ran 2x slower beside a neighbour here."""
-    times: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(rounds):
-        for n in (1, 2):
-            for i in range(4):
-                batch = pad([row(128, next(salt))])
-                start = time.perf_counter()
-                backend.forward(batch, n)
-                if i:
-                    times[n].append(time.perf_counter() - start)
-    return float(np.median(times[1])), float(np.median(times[2]))
 
 
 def learning_runner(tmp_path):

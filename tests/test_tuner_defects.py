@@ -1,6 +1,7 @@
 """Five defects of the tuner found by reading it (R4.5, R4.7), each guarded here: a text
 pair's shadow got no token type ids, the shadow budget banked idle time, contention flapped
-between its start and end thresholds, ``/proc`` was read on the served path, and the shadow
+between its start and end thresholds (now it has no state: each forward's count follows the
+free cores), ``/proc`` was read on the served path, and the shadow
 process's death, hang or zombie stopped learning for good or blocked ``close``. A sixth, found
 on the simulated many-core host: a batch whose shadows gave no sample ran again without end.
 
@@ -213,15 +214,13 @@ def row(tokens: int, salt: int = 0) -> list[int]:
     return [101, *(int(t) for t in rng.integers(1000, 29000, tokens - 2)), 102]
 
 
-# -- 3. contention has hysteresis: a reading between its thresholds changes nothing ---------
+# -- 3. contention has no state to flap: the count follows the free cores, window by window --
 
-def contention_run(caplog, held: list[tuple[float, float]], until_s: float):
+def contention_run(held: list[tuple[float, float]], until_s: float):
     """Mode 2 on the simulated 2-core host (configured 1, both ranges learn 2 threads in
-    the first minute); from 60 s a neighbour takes a core, so 2 threads run slow, while the
-    free cores read say other tasks hold ``held`` cores of them: ``(from_s, cores)`` steps,
-    the recorded input. Returns the tuner and how often contention started and ended."""
-    import logging
-
+    the first minute); from 60 s a neighbour takes a core, while the free cores read say
+    other tasks hold ``held`` cores: ``(from_s, cores)`` steps, the recorded input. Returns
+    the tuner and the outcome."""
     from vllm_srun.tuner.simulate import Neighbour, SimulatedHost, TimeModel, poisson_trace
 
     host = SimulatedHost(TimeModel(2), [Neighbour(1, 60)], seed=1)
@@ -234,40 +233,48 @@ def contention_run(caplog, held: list[tuple[float, float]], until_s: float):
             total += (2 - cores) * max(0.0, min(now, end) - start)
         return now, total
 
-    host.tuner.contention.free_cpu_s = free_s
-    caplog.set_level(logging.INFO, logger="vllm_srun.tuner")
-    host.run(poisson_trace(15, 60, [64, 256], seed=1)
-             + poisson_trace(15, until_s - 60, [64, 256], seed=2, start_s=60))
+    host.tuner.free_cores.reading = free_s
+    out = host.run(poisson_trace(15, 60, [64, 256], seed=1)
+                   + poisson_trace(15, until_s - 60, [64, 256], seed=2, start_s=60))
     assert all(r.learned == 2 for r in host.tuner.learner.ranges.values())
-    started = sum(m.startswith("threads_contended") for m in caplog.messages)
-    ended = sum(m.startswith("threads_contention_over") for m in caplog.messages)
-    return host.tuner, started, ended
+    return host.tuner, out
 
 
-def test_a_steady_reading_above_the_start_starts_contention_once_and_never_ends_it(caplog):
-    """Contention started where other tasks held at least 0.25 core and ended where they
-    held at most 0.5: a steady 0.35 did both, window by window (old: 40 starts and as many
-    ends in 9 s). With the end (0.125) below the start, it starts once per range and holds
-    (9 s: under ``contention_relearn_s``, so no relearn either)."""
-    tuner, started, ended = contention_run(caplog, [(60.0, 0.35)], 69.0)
-    assert 1 <= started <= len(tuner.learner.ranges) and ended == 0 and tuner.contention.freed == 0
-    assert tuner.tally.contended > 0
+def served(out, tokens: int, start_s: float, end_s: float) -> set[int]:
+    """The counts served (not to time one) to forwards of ``tokens`` from ``start_s`` to
+    ``end_s``."""
+    return {n for n, at, length, explored in zip(out.served_threads, out.at_s, out.lengths,
+                                                  out.explored, strict=True)
+            if length == tokens and start_s <= at < end_s and not explored}
 
 
-def test_a_reading_between_the_thresholds_neither_starts_nor_ends_contention(caplog):
-    """0.2 core held, between the end (0.125) and the start (0.25): no contention starts;
-    one begun at 0.6 core held goes on while the reading sits there, and ends once it is
-    under the end threshold."""
-    tuner, started, _ = contention_run(caplog, [(60.0, 0.2)], 69.0)
-    assert started == 0 and tuner.tally.contended == 0
-    held = [(60.0, 0.6), (64.0, 0.2), (68.0, 0.0)]
-    caplog.clear()
-    tuner, started, ended = contention_run(caplog, held, 67.9)
-    assert 1 <= started <= len(tuner.learner.ranges) and ended == 0, (started, ended)
-    caplog.clear()
-    tuner, started, ended = contention_run(caplog, held, 69.0)  # the same run, on to 69 s
-    assert 1 <= started <= len(tuner.learner.ranges) and ended == started, (started, ended)
-    assert tuner.contention.freed == started
+def test_a_steady_reading_serves_one_count_per_range_the_one_fastest_under_it():
+    """Contention was a state that started at 0.25 core held and ended at 0.5: a steady 0.35
+    did both, window by window (40 starts and as many ends in 9 s); later two thresholds
+    and a state (R4.13: contention was a mode of its own). Now each forward's count is the
+    one fastest under the cores read (``estimator.fastest_under``): a steady reading serves
+    each range one count all along, whichever the estimates make fastest under it."""
+    from vllm_srun.tuner.estimator import fastest_under
+
+    for held in (0.2, 0.35, 0.6):
+        tuner, out = contention_run([(60.0, held)], 69.0)
+        for tokens in (64, 256):
+            r = tuner.learner.ranges[tokens]
+            est = {n: ms for (n, kind), ms in r.baselines.items() if kind == "shadow"}
+            assert served(out, tokens, 60.2, 69.0) == {fastest_under(est, 2 - held, 2)}, \
+                (held, tokens, est)
+
+
+def test_a_neighbour_holding_a_core_serves_1_thread_while_it_does_and_2_once_it_leaves():
+    """One core held (2 threads 2x slower by the load factor, 1.35-1.93x faster with the
+    cores free in the simulator's model): 1 thread from the next window on; the reading back
+    at none held: 2 threads from the next window on, with nothing to end or probe."""
+    tuner, out = contention_run([(60.0, 1.0), (64.0, 0.0)], 69.0)
+    for tokens in (64, 256):
+        assert served(out, tokens, 60.2, 64.0) == {1}
+        assert served(out, tokens, 64.2, 69.0) == {2}
+    assert tuner.tally.contended > 0 and all(r.relearns == 0
+                                             for r in tuner.learner.ranges.values())
 
 
 # -- 4. /proc is read off the served path ----------------------------------------------------
@@ -311,7 +318,7 @@ def test_a_served_forward_reads_no_proc_file_and_the_free_cores_still_update(
         for i in range(12):
             runner.engine.submit([row(40, i)]).result(timeout=60)
             time.sleep(0.15)  # forwards a window apart: each may read a new one
-            windows.append(tuner.contention._free_rate)
+            windows.append(tuner.free_cores.window)
     finally:
         runner.stop()
     assert served and opened  # forwards ran; the reader read /proc meanwhile

@@ -21,8 +21,9 @@ calls ``poll_record``. Each call reads plain state and asks the parts that decid
   shadow the window or timing needs runs at normal priority, paid from ``learning_share``
   of served forward time, R4.5 amended), and mode 2's idle verification of shapes no
   voucher covers yet (``idle_verify.IdleVerifier``).
-- ``contention.ContentionWatch``: mode 2 serving a count below the learned one while other
-  tasks hold its cores (not yet folded into the estimator).
+- ``contention.FreeCores``: the cores other tasks leave the worker, an input to the estimate
+  (``estimator.load_factor``): served samples are scaled by it, and mode 2 serves a learned
+  range the count fastest under it (``estimator.fastest_under``).
 - ``tally.Tally``: what timed and checked what, for the report.
 
 Invariant: mode 1 serves every forward at the configured count; mode 2 serves another count
@@ -43,7 +44,8 @@ import numpy as np
 from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
-from vllm_srun.tuner.contention import ContentionWatch
+from vllm_srun.tuner.contention import FreeCores
+from vllm_srun.tuner.estimator import fastest_under
 from vllm_srun.tuner.golden import Forward, warm_and_check
 from vllm_srun.tuner.idle_verify import IdleVerifier
 from vllm_srun.tuner.inflight import InFlight, Timed
@@ -85,10 +87,10 @@ class AdaptiveThreads(ShadowSteps):
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self.sync = RecordSync(record, scope, now)
         self.ledger = ExactnessLedger(mode, configured, s.learning.window)
-        self.contention = ContentionWatch(s, self.counts, now, free_cpu_s)
+        self.free_cores = FreeCores(free_cpu_s, s.contention.free_window_s)
         self.tally = Tally()  # what timed and checked what, for the report
         self.learner = Learner(mode, configured, self.counts, s, self.ledger, self.sync,
-                               self.contention, self.tally, worker or f"pid {os.getpid()}")
+                               self.free_cores, self.tally, worker or f"pid {os.getpid()}")
         self.flight = InFlight()  # what runs now
         self.gate = ShadowGate(s, configured, max(self.counts), now)
         shadow_forward = shadow_forward or forward
@@ -186,10 +188,8 @@ class AdaptiveThreads(ShadowSteps):
             wanted = n = wanted_count(r, self.configured) if learning else self.configured
             contention = None
             if learning and r is not None and r.serving and n == r.learned:
-                n, contention = self.contention.under_contention(lo, r, self.ledger.vouches_for)
-                if contention == "relearn":
-                    learner.relearn(lo, r, None)
-                    n, contention, r = self.configured, None, learner.ranges[lo]
+                n = self._under_load(r)
+                contention = "fallback" if n != r.learned else None
             exploring = learning and r is not None and r.exploring
             if exploring and self.mode is AdaptiveMode.SERVE and self.ledger.voucher.vouches:
                 n = learner.explore_served(lo, r, n, self.clock())
@@ -202,6 +202,17 @@ class AdaptiveThreads(ShadowSteps):
             self.flight.timed[id(batch)] = self._freeze_for(
                 n, sampling=r is None or exploring, contention=contention)
             return n
+
+    def _under_load(self, r: RangeLearning) -> int:
+        """Mode 2, a range serving its learned count: the count of those the voucher covers
+        at or below it that takes the least under the cores other tasks leave now
+        (``estimator.fastest_under`` over each count's per-token estimate when learned)."""
+        free = self.free_cores.at(self.clock())
+        if free is None or free >= r.learned:
+            return r.learned
+        options = {n: ms for (n, kind), ms in r.baselines.items() if kind == "shadow" and (
+            n == r.learned or n < r.learned and self.ledger.vouches_for(n))}
+        return fastest_under(options, free, r.learned)
 
     def lower_counts(self, batch: TokenBatch, n: int) -> tuple[int, ...]:
         """Counts below ``n`` that may serve ``batch`` with the answer ``n`` gives, for the

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 # Cores other tasks hold count to within this much of a core (``room``): a quiet 2-core
 # host's 0.1-s windows read 0-0.11 cores held, the front end and the client under load a
 # few tenths, one CPU-bound process 0.9-1.1 (tuner/free_cpus.py): half a core keeps the
-# first two from costing a worker a thread and takes one off for the third. The tuner's
-# ``contention_free_slack`` for the same reading; a guess, not swept.
+# first two from costing a worker a thread and takes one off for the third. A guess, not
+# swept.
 HELD_SLACK = 0.5
 
 

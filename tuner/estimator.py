@@ -5,23 +5,28 @@ The statistic: the **median** of a count's most recent samples in its range (the
 the last ``max_samples``: that is the horizon), with an order-statistic interval of about 80%
 confidence (``estimate``). The learner decides on each sample's time per padded token (a
 range spans sizes up to 2x apart: per token, the size mix within it leaves the interval);
-the report shows the same samples in ms. Samples are what a served forward at that count
-takes now:
+the report shows the same samples in ms. Samples are what a forward at that count takes with
+its cores free, under the rest of the load the worker sees (its own front end, its clients):
 
 - served forwards at that count (mode 2 serves vouched counts in turn while a range explores:
-  these are the main samples, normal priority, beside whatever the host runs);
+  these are the main samples, normal priority, beside whatever the host runs), divided by the
+  ``load_factor`` of the cores other tasks left them;
 - shadows: an idle-class shadow that ran alone (``policy.clean_window``, not preempted) is
   taken as it is; a paid shadow (``share.PaidShare``: normal priority, beside served
   forwards) or one whose threads waited for CPUs is turned into what that count would cost a
   served forward by ``served_cost_ms``: its wall time less the time its threads spent
   runnable but not running, per thread (``run_delay.forward_wait_s``). Per thread, because
   the threads of one forward mostly wait at the same moments (a busy CPU holds them all up
-  at the next barrier). The result is the count's time with its cores free, not under the
-  load a served forward would share: beside a neighbour holding a core, 2-thread shadows
-  read 0.43-0.73x the served time where they gave a figure (``bench/shadow_vs_served.py``).
+  at the next barrier). The result is the count's time with its cores free (beside a
+  neighbour holding a core, the 2-thread shadows that gave a figure read 0.43-0.73x the
+  served time: ``bench/shadow_vs_served.py``), what a served sample is turned into too.
 
-Contention is an input, not a mode: a neighbour that slows a count slows its recent samples,
-and the estimate follows them.
+Contention is an input, not a mode (``load_factor``): with ``free`` cores left to the worker
+by other tasks, a forward at ``n`` threads takes ``load_factor(n, free)`` times its time with
+its cores free. A served forward's time is divided by the factor of its window before it is a
+sample, so every sample of a count estimates one quantity, whatever the neighbours did then;
+mode 2 multiplies each count's estimate by the factor of the window now to pick the count a
+learned range serves (``fastest_under``).
 
 The rule (``choose``): once every allowed count has ``min_samples`` or is ruled out
 (``ruled_out``: it lost early, its first few samples already running ``LOSING`` times the
@@ -84,6 +89,39 @@ def estimate(samples_ms: Sequence[float]) -> Estimate | None:
     lo = max(0, math.floor(n / 2 - half) - 1)
     hi = min(n - 1, math.ceil(n / 2 + half) - 1)
     return Estimate(float(np.median(s)), s[lo], s[hi], n)
+
+
+def load_factor(n: int, free: float | None) -> float:
+    """How many times its time with its cores free a forward at ``n`` threads takes where
+    other tasks left the worker ``free`` cores over the last window (None: unknown, 1).
+
+    The intra-op pools of both backends split a forward into ``n`` equal shares and wait for
+    the last, so a forward runs at its slowest thread's pace: a thread whose core another
+    task wants runs at half pace while it does (the kernel shares a core evenly between two
+    runnable tasks). What other tasks *used* of the ``n`` cores, ``h = n - free``, is what
+    they got beside the worker's threads, about half of what they wanted, so a thread
+    shares its core for ``2h`` of the time (all of it from half a core used on): the forward
+    takes ``1 + min(2h, 1)`` times as long, and never less than the fluid bound ``n / free``
+    (every thread gets ``free / n`` of a core). Measured here (2 cores, one CPU-bound
+    process, ``tests/test_learning_under_load.py``): 2 threads ran 2x slower and 1 thread
+    not at all, while the free cores read 1.24-1.58 with 2 threads serving beside it and
+    0.93-1.12 with 1 thread; the rule gives 2x at 2 threads from 1.5 free cores down and 1x
+    at 1 thread from 1 up. ``1 + h`` (what they used, not wanted) read 1.4-1.8x there and
+    kept 2 threads beside it in ranges 1.8x faster at 2 threads. At or above ``n``: 1."""
+    if free is None or free >= n:
+        return 1.0
+    free = max(free, 0.05 * n)  # nothing left at all: every count at 20x, in proportion
+    return max(1.0 + min(2 * (n - free), 1.0), n / free)
+
+
+def fastest_under(estimates_ms: Mapping[int, float], free: float | None, learned: int) -> int:
+    """The count, of ``estimates_ms`` (each count's time with its cores free), that takes the
+    least with ``free`` cores left now (``load_factor``); ``learned`` on a tie, or where it
+    has no estimate."""
+    if learned not in estimates_ms or free is None or free >= learned:
+        return learned
+    return min(estimates_ms, key=lambda n: (estimates_ms[n] * load_factor(n, free),
+                                            n != learned, -n))
 
 
 def typical(samples_ms: Sequence[float]) -> float:

@@ -1,5 +1,6 @@
-"""How much of its cores other tasks leave a worker, read from ``/proc`` (mode 2's contention
-following, R4.5: the learned count takes its cores back once a neighbour has left them).
+"""How much of its cores other tasks leave a worker, read from ``/proc`` (an input to the
+tuner's estimate, R4.13: ``contention.FreeCores``, ``estimator.load_factor``; and the cores
+the core ledger budgets by, R4.12).
 
 ``FreeCpus()`` returns cumulative seconds: the idle (and iowait) time of the CPUs in this
 process's affinity mask, plus the CPU time of this process, of the processes ``pids`` names
@@ -44,7 +45,7 @@ found by a scan, or a sibling that starts, adds its time from then on, not its w
 
 Not seen: a cgroup quota below the mask (its throttled time reads as free), CPU time of these
 processes spent outside the mask, and yielding threads of processes that are not. Where
-``/proc`` cannot be read the reading is None and the tuner probes the learned count instead.
+``/proc`` cannot be read the reading is None and the tuner scales nothing by it.
 """
 
 from __future__ import annotations

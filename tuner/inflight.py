@@ -22,7 +22,7 @@ class Timed:
     froze: bool  # it froze the shadow side
     alone: bool  # no shadow could run at its start (frozen, or none running)
     shadow_epoch: int  # ``InFlight.shadow_epoch`` then
-    contention: str | None  # ``ContentionWatch.under_contention``'s reason
+    contention: str | None  # "fallback": served below the learned count (free cores)
     sampling: bool  # its time may be a sample (its range explores, or is new)
 
 

@@ -23,10 +23,11 @@ from collections.abc import Sequence
 from vllm_srun.records.host_record import DriftEvent, Voucher
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
-from vllm_srun.tuner.contention import ContentionWatch
+from vllm_srun.tuner.contention import FreeCores
 from vllm_srun.tuner.estimator import (
     choose,
     counts_needing_samples,
+    load_factor,
     served_cost_ms,
     speedup,
     typical,
@@ -48,9 +49,10 @@ log = logging.getLogger(__name__)
 class Learner(Relearning):
     def __init__(self, mode: AdaptiveMode, configured: int, counts: Sequence[int],
                  settings: TunerSettings, ledger: ExactnessLedger, sync: RecordSync,
-                 contention: ContentionWatch, tally: Tally, worker: str) -> None:
+                 free_cores: FreeCores, tally: Tally, worker: str) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
-        self.settings, self.ledger, self.sync, self.contention = settings, ledger, sync, contention
+        self.settings, self.ledger, self.sync = settings, ledger, sync
+        self.free_cores = free_cores  # what other tasks leave: served times are scaled by it
         self.tally = tally  # it counts the served samples it took, or could not
         self.worker = worker  # named in the drift it records
         self.ranges: dict[int, RangeLearning] = {}
@@ -83,15 +85,14 @@ class Learner(Relearning):
 
     def explore_served(self, lo: int, r: RangeLearning, serving: int, now: float) -> int:
         """Mode 2, vouched: an exploring range times each count on served forwards, the one
-        it lacks samples of most first (``policy.explore_count``); a count whose cores other
-        tasks hold waits."""
+        it lacks samples of most first (``policy.explore_count``). A count whose cores other
+        tasks hold is timed too: its time is scaled by the load factor (``served``)."""
         if r.candidate is not None:  # a sibling's count serves after its window only
             return serving
         if not r.explore_served:
             r.explore_served = True
             log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
-        need = [k for k in self.need(r) if not self.contention.cores_busy(now, k)]
-        return explore_count(r.samples, self.counts, serving, need,
+        return explore_count(r.samples, self.counts, serving, self.need(r),
                              lambda n: self.ledger.voucher.covers_counts(n, self.configured))
 
     # -- the record read back, a served forward ended ----------------------------------------
@@ -113,19 +114,21 @@ class Learner(Relearning):
                sample: bool, now: float) -> bool:
         """A served forward ended while learning: a learned range watches its time
         (``watch_served``); an exploring one takes it as a ``sample`` where no shadow ran
-        beside it, unless other tasks held the cores it needed. Returns whether the batch
-        became its range's due shadow work."""
+        beside it. Either way its time is divided by the load factor of the cores other tasks
+        left it (``estimator.load_factor``): the count's time with its cores free. Returns
+        whether the batch became its range's due shadow work."""
         lo = size_range(batch.padded_tokens)[0]
         r = self.ranges.setdefault(lo, RangeLearning())
+        free = self.free_cores.at(now)
+        factor = load_factor(result.num_threads, free)
+        ms = result.forward_s * 1000 / factor
         if r.learned is not None:
-            self.watch_served(lo, r, result, batch.padded_tokens, contention)
+            self.watch_served(lo, r, result.num_threads, ms, batch.padded_tokens, contention,
+                              followed=free is not None)
         elif sample:
-            if self.contention.cores_busy(now, result.num_threads):
-                self.tally.samples_cores_busy += 1
-            else:
-                self.tally.served_samples += 1
-                self.sample(lo, r, result.num_threads, result.forward_s * 1000,
-                            batch.padded_tokens)
+            self.tally.served_samples += 1
+            self.tally.samples_scaled += factor > 1.0
+            self.sample(lo, r, result.num_threads, ms, batch.padded_tokens)
         counts = self.shadow_counts(lo, result.num_threads, contention)
         if counts:
             self.put(lo, batch, result, counts, now)

@@ -1,14 +1,13 @@
 """R4.11 for each size range (``learning.Learner``, whose part this is): a learned range watches
 the forwards at its counts, like against like (``estimator.changed``), and explores again
-when they moved; a served forward's slowdown also feeds the contention watch. A mixin: it
-reads the learner's ``ranges``, ``counts``, ``settings``, ``contention`` and ``board``.
+when they moved. A mixin: it reads the learner's ``ranges``, ``counts``, ``settings`` and
+``board``.
 """
 
 from __future__ import annotations
 
 import logging
 
-from vllm_srun.runtime.types import ForwardResult
 from vllm_srun.tuner.estimator import changed, typical
 from vllm_srun.tuner.ranges import Phase, RangeLearning, relearn
 
@@ -16,22 +15,23 @@ log = logging.getLogger(__name__)
 
 
 class Relearning:
-    def watch_served(self, lo: int, r: RangeLearning, result: ForwardResult, tokens: int,
-                     contention: str | None) -> None:
-        """A learned range served a forward: its slowdown for the contention watch, and its
-        time for the change detector (``watch``)."""
-        per_token = result.forward_s * 1000 / tokens
-        if (base := r.baselines.get((result.num_threads, "shadow"))) is not None:
-            self.contention.note_slowdown(result.num_threads, per_token / base,
-                                          contention == "probe")
+    def watch_served(self, lo: int, r: RangeLearning, count: int, ms: float, tokens: int,
+                     contention: str | None, followed: bool) -> None:
+        """A learned range served a forward at ``count`` that took ``ms`` with its cores free
+        (``Learner.served``): its time for the change detector (``watch``). Not a count
+        that serves below the learned one meanwhile, nor the learned count where it
+        serves above the smallest where the free cores are read (``followed``; where
+        they are not, a neighbour shows only here): other tasks that take its cores are
+        followed by serving a count below it (``estimator.fastest_under``), and a
+        lasting change by the probe shadows (idle class, their threads' waits taken
+        out), so a neighbour the load factor reads short of its real cost relearns
+        nothing (whether the scaled served times could watch it too is not measured).
+        Not a range in its transition window on the count it serves meanwhile either (a
+        neighbour that came and went restarted it, again and again, before it could
+        pass)."""
         if contention is None and r.phase is not Phase.VERIFYING and not (
-                r.serving and result.num_threads == r.learned > min(self.counts)):
-            # a served count that contention can fall back from relearns by
-            # ``contention_relearn_s`` instead (a brief neighbour: no relearning); a range in
-            # its transition window is not relearned on the count it serves meanwhile (a
-            # neighbour that comes and goes restarted it, again and again, before it could
-            # pass)
-            self.watch(lo, r, (result.num_threads, "served"), per_token,
+                followed and r.serving and count == r.learned > min(self.counts)):
+            self.watch(lo, r, (count, "served"), ms / tokens,
                        self.settings.learning.relearn_window)
 
     def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
@@ -59,6 +59,5 @@ class Relearning:
 
     def relearn(self, lo: int, r: RangeLearning, keep_serving: int | None) -> None:
         self.ranges[lo] = relearn(r, keep_serving)
-        self.contention.forget(lo)
         self.board.forget(lo)
 

@@ -75,8 +75,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                   for lo, r in t.learner.ranges.items()}
         passes = {lo: t.ledger.progress(lo, r.learned) for lo, r in ranges.items()
                   if r.learned is not None}
-        c = t.contention
-        slowdown = {str(n): round(c.slowdown(n), 3) for n in sorted(c._slowdowns)}
+        window = t.free_cores.window
         paid = t.side.paid
         served_s = paid.served_s
     record = RecordState(t.sync.scope, t.ledger.voucher, t.ledger.retired,
@@ -91,13 +90,14 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "shadow_batches_replaced_unrun": t.learner.board.replaced,
                            "served_forwards_that_froze_a_shadow": t.tally.frozen_beside,
                            "served_forwards_timed": t.tally.served_samples,
-                           "served_forwards_not_timed_cores_busy": t.tally.samples_cores_busy,
+                           # ... of them divided by a load factor over 1: other tasks held
+                           # cores they needed (``estimator.load_factor``)
+                           "served_forwards_timed_scaled_for_held_cores": t.tally.samples_scaled,
                            "forwards_served_to_time_a_count": t.tally.explored,
                            "forwards_served_below_learned_under_contention": t.tally.contended,
-                           "contention_probes": t.tally.contention_probes,
-                           "contentions_ended_by_free_cores": t.contention.freed,
-                           "forwards_slow_with_cores_free": t.contention.slow_cores_free,
-                           "slowdown_now": slowdown,
+                           # the cores other tasks left this worker over the last window
+                           # read (None: not read)
+                           "free_cores_now": round(window[0], 2) if window else None,
                            # shadow time against its budget (``budget_fraction`` of the
                            # time since learning began, idle time banked for
                            # ``budget_window_s`` at most): over it, no shadow starts

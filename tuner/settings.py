@@ -1,11 +1,11 @@
 """The tuner's settings (R4.5-R4.7, R4.11): every knob of adaptive threads, each with its
 default and why, in four groups, one per part that reads them (``Learning``: the estimator
 and the ledger's window; ``Spending``: what shadows may take; ``Gaps``: when an idle-class
-shadow may start; ``Contention``: mode 2 beside a neighbour). A value chosen from one run on
+shadow may start; ``Contention``: the cores other tasks leave). A value chosen from one run on
 one host is a guess and says so.
 
 ``TunerSettings.of`` takes any knob by its flat name (``of(min_samples=3, busy_max=1.0,
-contention_held_min=0.5)``) and ``with_`` replaces some of them: tests and the sweep name a
+contention_free_window_s=0.2)``) and ``with_`` replaces some of them: tests and the sweep name a
 knob without its group.
 """
 
@@ -98,30 +98,14 @@ class Gaps:
 
 @dataclass(frozen=True)
 class Contention:
-    """Mode 2 under contention (``contention.ContentionWatch``): a learned count that now runs
-    slower than a count below it would (host-wide slowdowns of each count, served forwards).
-    Flat names (``TunerSettings.of``) carry the prefix ``contention_``."""
+    """The cores other tasks leave a worker, an input to the estimate (R4.13,
+    ``contention.FreeCores``). Flat names (``TunerSettings.of``) carry the prefix
+    ``contention_``."""
 
-    slowdown: float = 1.25  # once it runs this much slower than when learned
-    margin: float = 0.1  # ... by this much: that count serves meanwhile,
-    probe_s: float = 0.25  # one forward at the learned count this often tells when
-    relearn_s: float = 10.0  # it is over; still on after this long: relearn there
-    fresh_s: float = 5.0  # how long a served forward's slowdown counts
-    # ... or, where the free cores can be read (``free_cpu_s``), no probes: it starts only
-    # once other tasks hold at least ``held_min`` of the learned count's cores over a window
-    # of ``free_window_s``, and is over once a window begun after it started sees them hold
-    # at most ``held_end``: below the start, so a reading between the two neither starts nor
-    # ends it (with the end at 0.5, above the start, any reading between both started and
-    # ended it, flapping window by window). 0.125: an eighth of a core, under half the
-    # start; a quiet host's 0.1-s windows read 0-0.11 held (10th-90th percentile,
-    # ``_cores_free``), so most quiet windows end it (one measurement on one 2-core host: a
-    # guess, not swept)
+    # the free cores are read over windows of at least this long: a few forwards of the
+    # default model, so a neighbour's change shows in the next; shorter windows read the
+    # kernel's time slices (``FreeCpus`` reads every 0.05 s, half of it). A guess, not swept
     free_window_s: float = 0.1
-    held_min: float = 0.25
-    held_end: float = 0.125
-    # which counts fit the cores other tasks leave (``_fits``, ``_cores_busy``): to within
-    # this much of a core
-    free_slack: float = 0.5
 
 
 _GROUPS = {"learning": (Learning, ""), "spending": (Spending, ""), "gaps": (Gaps, ""),

@@ -134,7 +134,8 @@ class Herd:
     as many changes at independent, uniformly spread times would give (``expected``): a
     ``ratio`` near 1 is independent workers, far above 1 a herd. ``most_workers``: the
     most workers changing within one ``window_s``. Forwards mode 2 served at a count only
-    to time it are not changes; contention's fallbacks and probes are."""
+    to time it are not changes; serving below the learned count for the cores other tasks
+    hold is."""
 
     window_s: float
     changes: int

@@ -16,18 +16,18 @@ class Tally:
     frozen_beside: int = 0  # served forwards that froze a shadow sharing their cores
     served_samples: int = 0  # samples taken from served forwards
     explored: int = 0  # mode 2: forwards served at a vouched count to time it
-    contended: int = 0  # mode 2: forwards served below the learned count under contention
-    contention_probes: int = 0  # ... and at the learned count meanwhile, to see it end
-    samples_cores_busy: int = 0  # served samples not kept: other tasks held their cores
+    contended: int = 0  # mode 2: forwards served below the learned count: other tasks held
+    # cores it needs (``estimator.fastest_under``)
+    samples_scaled: int = 0  # served samples divided by a load factor over 1: other tasks
+    # held cores they needed (``estimator.load_factor``)
 
     def served(self, verdict: Verdict, contention: str | None, other: bool) -> None:
         """Why a served forward runs where it does: the ledger's ``verdict`` on the count
-        chosen, contention's reason, ``other``: not the count its range's state wants."""
+        chosen, ``contention``: "fallback" where the cores other tasks hold made a count below
+        the learned one faster, ``other``: not the count its range's state wants."""
         if not verdict.allowed:
             self.uncovered += verdict.refusal is Refusal.UNCOVERED  # R4.8: the shape
         elif contention == "fallback":
             self.contended += 1
-        elif contention == "probe":
-            self.contention_probes += 1
         elif other:
             self.explored += 1
