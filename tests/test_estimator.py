@@ -19,6 +19,7 @@ from vllm_srun.tuner.estimator import (
     load_factor,
     past_a_slower_count,
     served_cost_ms,
+    served_sample_ms,
 )
 from vllm_srun.tuner.learning import Learner
 from vllm_srun.tuner.ledger import ExactnessLedger
@@ -245,19 +246,36 @@ def test_free_cores_are_read_over_whole_windows_and_stale_readings_say_nothing()
 
 
 def test_a_served_sample_beside_held_cores_is_the_counts_time_with_its_cores_free():
-    """A served forward at 2 threads while other tasks left 1 of 2 cores took 2x its time:
-    the sample is its time divided by the load factor; at 1 thread it is taken as it is."""
+    """A served forward at 2 threads while other tasks used a quarter of its cores (load
+    factor 1.5) took 1.5x its time: the sample is its time over the factor; at 1 thread it
+    is taken as it is. With a whole core wanted (factor 2: half its time other tasks') it is
+    no sample, and vouched exploration does not serve that count meanwhile."""
+    assert served_sample_ms(30.0, 1.5) == pytest.approx(20.0)
+    assert served_sample_ms(30.0, 2.0) is None and served_sample_ms(30.0, 1.0) == 30.0
     reading = _Window()
-    learner = _learner()
+    learner = _learner(AdaptiveMode.SERVE)
     learner.free_cores = FreeCores(reading, 0.1)
-    reading.cores = 1.0
-    for _ in range(3):
-        reading.advance(0.1)
-        learner.free_cores.at(reading.now)
+
+    def held(cores: float) -> None:
+        reading.cores = 2.0 - cores
+        for _ in range(3):
+            reading.advance(0.1)
+            learner.free_cores.at(reading.now)
+
+    held(0.25)
     batch = TokenBatch(np.ones((1, 64), np.int64), np.ones((1, 64), np.int64))
     out = np.zeros((1, 4), np.float32)
-    learner.served(batch, ForwardResult(out, 2, 2, 0.040), None, True, reading.now)
+    learner.served(batch, ForwardResult(out, 2, 2, 0.030), None, True, reading.now)
     learner.served(batch, ForwardResult(out, 1, 1, 0.030), None, True, reading.now)
     r = learner.ranges[64]
     assert r.samples == {2: [pytest.approx(20.0)], 1: [pytest.approx(30.0)]}
     assert learner.tally.samples_scaled == 1 and learner.tally.served_samples == 2
+    held(1.0)
+    learner.served(batch, ForwardResult(out, 2, 2, 0.060), None, True, reading.now)
+    assert len(r.samples[2]) == 1 and learner.tally.samples_cores_held == 1
+    # exploring on served forwards, 2 threads lacking the most samples: it would cost 2x and
+    # time nothing, so 1 thread serves; with the cores free, 2 threads are timed
+    learner.sample(64, r, 1, 30.0, 64)
+    assert learner.explore_served(64, r, 1, reading.now) == 1
+    held(0.0)
+    assert learner.explore_served(64, r, 1, reading.now) == 2  # the cores free: it is timed

@@ -24,7 +24,8 @@ its cores free, under the rest of the load the worker sees (its own front end, i
 Contention is an input, not a mode (``load_factor``): with ``free`` cores left to the worker
 by other tasks, a forward at ``n`` threads takes ``load_factor(n, free)`` times its time with
 its cores free. A served forward's time is divided by the factor of its window before it is a
-sample, so every sample of a count estimates one quantity, whatever the neighbours did then;
+sample (``served_sample_ms``: none at a factor of 2 or more), so every sample of a count
+estimates one quantity, whatever the neighbours did then;
 mode 2 multiplies each count's estimate by the factor of the window now to pick the count a
 learned range serves (``fastest_under``).
 
@@ -145,6 +146,19 @@ def served_cost_ms(forward_s: float, waited_s: float | None, threads: int) -> fl
     if per_thread_s > MAX_WAITED_SHARE * forward_s:
         return None
     return 1000 * (forward_s - per_thread_s)
+
+
+def served_sample_ms(forward_ms: float, factor: float) -> float | None:
+    """What a served forward that took ``forward_ms`` under a ``load_factor`` of ``factor``
+    says of its count with its cores free: its time over the factor; None (no sample) where
+    half or more of that time was other tasks' (``MAX_WAITED_SHARE``, as for a shadow): a
+    factor of 2 or more, where a thread of the forward shared its core all along and the
+    model is least sure (beside a CPU-bound neighbour on 2 cores, samples scaled there left
+    2 threads no faster than 1 in 2 of 6 ranges where, taken only with the cores free, it
+    was 1.5x faster: ``bench/results/adaptive_load_neighbour.json``)."""
+    if 1.0 - 1.0 / factor >= MAX_WAITED_SHARE:
+        return None
+    return forward_ms / factor
 
 
 def losing_counts(samples_by_count: Mapping[int, Sequence[float]],

@@ -29,6 +29,7 @@ from vllm_srun.tuner.estimator import (
     counts_needing_samples,
     load_factor,
     served_cost_ms,
+    served_sample_ms,
     speedup,
     typical,
 )
@@ -85,14 +86,18 @@ class Learner(Relearning):
 
     def explore_served(self, lo: int, r: RangeLearning, serving: int, now: float) -> int:
         """Mode 2, vouched: an exploring range times each count on served forwards, the one
-        it lacks samples of most first (``policy.explore_count``). A count whose cores other
-        tasks hold is timed too: its time is scaled by the load factor (``served``)."""
+        it lacks samples of most first (``policy.explore_count``). A count whose forward would
+        now take twice its time or more (``estimator.load_factor``: other tasks want a core
+        of it) waits: it would give no sample (``served``) and cost the forward that much."""
         if r.candidate is not None:  # a sibling's count serves after its window only
             return serving
         if not r.explore_served:
             r.explore_served = True
             log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
-        return explore_count(r.samples, self.counts, serving, self.need(r),
+        free = self.free_cores.at(now)
+        need = [k for k in self.need(r)
+                if served_sample_ms(1.0, load_factor(k, free)) is not None]
+        return explore_count(r.samples, self.counts, serving, need,
                              lambda n: self.ledger.voucher.covers_counts(n, self.configured))
 
     # -- the record read back, a served forward ended ----------------------------------------
@@ -115,14 +120,17 @@ class Learner(Relearning):
         """A served forward ended while learning: a learned range watches its time
         (``watch_served``); an exploring one takes it as a ``sample`` where no shadow ran
         beside it. Either way its time is divided by the load factor of the cores other tasks
-        left it (``estimator.load_factor``): the count's time with its cores free. Returns
-        whether the batch became its range's due shadow work."""
+        left it (``estimator.served_sample_ms``): the count's time with its cores free; none
+        where half or more of it was other tasks'. Returns whether the batch became its
+        range's due shadow work."""
         lo = size_range(batch.padded_tokens)[0]
         r = self.ranges.setdefault(lo, RangeLearning())
         free = self.free_cores.at(now)
         factor = load_factor(result.num_threads, free)
-        ms = result.forward_s * 1000 / factor
-        if r.learned is not None:
+        ms = served_sample_ms(result.forward_s * 1000, factor)
+        if ms is None:
+            self.tally.samples_cores_held += 1  # the time was mostly other tasks'
+        elif r.learned is not None:
             self.watch_served(lo, r, result.num_threads, ms, batch.padded_tokens, contention,
                               followed=free is not None)
         elif sample:

@@ -93,6 +93,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            # ... of them divided by a load factor over 1: other tasks held
                            # cores they needed (``estimator.load_factor``)
                            "served_forwards_timed_scaled_for_held_cores": t.tally.samples_scaled,
+                           "served_forwards_not_timed_cores_held": t.tally.samples_cores_held,
                            "forwards_served_to_time_a_count": t.tally.explored,
                            "forwards_served_below_learned_under_contention": t.tally.contended,
                            # the cores other tasks left this worker over the last window

@@ -20,6 +20,8 @@ class Tally:
     # cores it needs (``estimator.fastest_under``)
     samples_scaled: int = 0  # served samples divided by a load factor over 1: other tasks
     # held cores they needed (``estimator.load_factor``)
+    samples_cores_held: int = 0  # served forwards no sample: half their time or more was
+    # other tasks' (``estimator.served_sample_ms``)
 
     def served(self, verdict: Verdict, contention: str | None, other: bool) -> None:
         """Why a served forward runs where it does: the ledger's ``verdict`` on the count
