@@ -155,7 +155,7 @@ def served_sample_ms(forward_ms: float, factor: float) -> float | None:
     factor of 2 or more, where a thread of the forward shared its core all along and the
     model is least sure (beside a CPU-bound neighbour on 2 cores, samples scaled there left
     2 threads no faster than 1 in 2 of 6 ranges where, taken only with the cores free, it
-    was 1.5x faster: ``bench/results/adaptive_load_neighbour.json``)."""
+    was 1.5x faster: ``bench/results/adaptive_load_neighbour_every_sample_scaled.json``)."""
     if 1.0 - 1.0 / factor >= MAX_WAITED_SHARE:
         return None
     return forward_ms / factor
