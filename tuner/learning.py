@@ -128,8 +128,8 @@ class Learner(Relearning):
         free = self.free_cores.at(now)
         factor = load_factor(result.num_threads, free)
         ms = served_sample_ms(result.forward_s * 1000, factor)
-        if ms is None:
-            self.tally.samples_cores_held += 1  # the time was mostly other tasks'
+        if ms is None:  # the time was mostly other tasks'
+            self.tally.samples_cores_held += sample and r.learned is None
         elif r.learned is not None:
             self.watch_served(lo, r, result.num_threads, ms, batch.padded_tokens, contention,
                               followed=free is not None)

@@ -20,7 +20,7 @@ class Tally:
     # cores it needs (``estimator.fastest_under``)
     samples_scaled: int = 0  # served samples divided by a load factor over 1: other tasks
     # held cores they needed (``estimator.load_factor``)
-    samples_cores_held: int = 0  # served forwards no sample: half their time or more was
+    samples_cores_held: int = 0  # served samples not kept: half their time or more was
     # other tasks' (``estimator.served_sample_ms``)
 
     def served(self, verdict: Verdict, contention: str | None, other: bool) -> None:
