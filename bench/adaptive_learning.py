@@ -100,7 +100,10 @@ def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, c
                 show(n, ws)
             rnd[MODE2]["ranges_settled"] = settled
             try:
-                rnd[MODE2]["ranges_after"] = range_states(server.threads())
+                report = server.threads()
+                rnd[MODE2]["ranges_after"] = range_states(report)
+                # what learning did: fallbacks under contention, samples, paid shadows
+                rnd[MODE2]["learning_after"] = report.get("learning", {})
             except Exception as exc:  # noqa: BLE001 (a report is a bonus)
                 log(f"  {MODE2}: no threads report: {exc}")
         finally:

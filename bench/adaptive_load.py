@@ -529,6 +529,12 @@ def steady_table(rounds: list[dict]) -> None:
             print(f"round {i + 1}, {MODE2} once settled: {r[MODE2]['ranges_settled']}")
         if MODE2 in r and r[MODE2].get("ranges_after"):
             print(f"round {i + 1}, {MODE2} at its end: {r[MODE2]['ranges_after']}")
+        if MODE2 in r and (lr := r[MODE2].get("learning_after")):
+            print(f"round {i + 1}, {MODE2}: "
+                  f"{lr.get('forwards_served_below_learned_under_contention')} forwards served "
+                  f"below the learned count under contention, "
+                  f"{lr.get('forwards_served_to_time_a_count')} served to time a count, "
+                  f"paid learning {lr.get('paid_share_of_served')} of served forward time")
     print()
 
 

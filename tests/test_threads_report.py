@@ -56,7 +56,8 @@ def test_the_decision_statistic_is_named_and_is_the_one_the_decision_uses():
     does not win."""
     samples = {1: STEADY, 2: NOISY}
     rule = S.learning
-    rep = report(learned=choose(samples, (1, 2), 1, rule.min_samples, rule.margin),
+    rep = report(learned=choose(samples, (1, 2), 1, rule.min_samples, rule.margin,
+                                rule.max_samples),
                  samples=samples)
     (rng,) = rep["ranges"]
     assert rep["decision_statistic"] == DECISION_STATISTIC == "median_ms"

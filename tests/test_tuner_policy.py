@@ -62,17 +62,17 @@ def test_max_threads_is_capped_by_the_budget():
 
 def test_no_count_is_learned_before_every_count_has_its_samples():
     samples = {1: [5.0] * 12, 2: [3.0] * 11}
-    assert choose(samples, (1, 2), 1, 12, 0.05) is None
+    assert choose(samples, (1, 2), 1, 12, 0.05, 48) is None
     assert counts_needing_samples(samples, (1, 2), 12) == [2]
 
 
 def test_the_fastest_count_is_learned():
-    assert choose({1: [5.0] * 12, 2: [3.0] * 12}, (1, 2), 1, 12, 0.05) == 2
-    assert choose({1: [3.0] * 12, 2: [5.0] * 12}, (1, 2), 2, 12, 0.05) == 1
+    assert choose({1: [5.0] * 12, 2: [3.0] * 12}, (1, 2), 1, 12, 0.05, 48) == 2
+    assert choose({1: [3.0] * 12, 2: [5.0] * 12}, (1, 2), 2, 12, 0.05, 48) == 1
 
 
 def test_a_count_within_the_margin_does_not_displace_the_configured_one():
-    assert choose({1: [5.0] * 12, 2: [4.9] * 12}, (1, 2), 1, 12, 0.05) == 1
+    assert choose({1: [5.0] * 12, 2: [4.9] * 12}, (1, 2), 1, 12, 0.05, 48) == 1
 
 
 def test_relearning_triggers_when_served_time_moves_either_way():
@@ -118,7 +118,7 @@ def test_counts_far_behind_after_their_first_samples_need_no_more():
     assert losing_counts(samples, (1, 2, 16)) == {16}
     assert counts_needing_samples(samples, (1, 2, 16), 12) == [1, 2]
     full = {1: [10.0] * 12, 2: [6.0] * 12, 16: [40.0] * 3}
-    assert choose(full, (1, 2, 16), 1, 12, 0.05) == 2
+    assert choose(full, (1, 2, 16), 1, 12, 0.05, 48) == 2
 
 
 def test_shadow_plan():

@@ -26,7 +26,7 @@ from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import FreeCores
 from vllm_srun.tuner.estimator import (
     choose,
-    counts_needing_samples,
+    counts_to_sample,
     load_factor,
     served_cost_ms,
     served_sample_ms,
@@ -61,12 +61,14 @@ class Learner(Relearning):
 
     # -- what a range needs ----------------------------------------------------------------
     def need(self, r: RangeLearning) -> list[int]:
-        """Counts an exploring range still lacks ``min_samples`` of (``explored``), by the
-        samples ``update`` decides on (per padded token): a count ruled out by its times in
-        ms but not per token would be neither timed nor decided without, and the range would
-        explore for good."""
-        return counts_needing_samples(r.per_token, self.explored(r),
-                                      self.settings.learning.min_samples)
+        """Counts an exploring range still needs samples of (``explored``): ``min_samples``
+        of each, then more of those the rule is unsure of (``estimator.counts_to_sample``),
+        judged by the samples ``update`` decides on (per padded token): a count ruled out by
+        its times in ms but not per token would be neither timed nor decided without, and
+        the range would explore for good."""
+        s = self.settings.learning
+        return counts_to_sample(r.per_token, self.explored(r), self.configured,
+                                s.min_samples, s.max_samples, s.margin)
 
     def explored(self, r: RangeLearning) -> tuple[int, ...]:
         """The counts a range times: a sibling's candidate and the configured count, or all."""
@@ -234,7 +236,8 @@ class Learner(Relearning):
         (sizes uniform over a range, 10-15% noise; per token, 77-95%, with fewer counts
         learned where none was faster: ``tests/test_estimator.py``)."""
         s = self.settings.learning
-        new = choose(r.per_token, self.explored(r), self.configured, s.min_samples, s.margin)
+        new = choose(r.per_token, self.explored(r), self.configured, s.min_samples, s.margin,
+                     s.max_samples)
         if new is None:
             return
         if r.candidate is not None and new != r.candidate:  # its own timing rejects it
