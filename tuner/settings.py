@@ -37,7 +37,9 @@ class Learning:
     relearn_factor: float = 1.5  # time at the learned count moved this much: explore again
     relearn_window: int = 16  # served forwards at one count each relearning check rests on
     probe_window: int = 4  # probe shadows at one count each relearning check rests on
-    max_samples: int = 48  # recent samples per count per range that decisions rest on
+    # recent samples per count per range that decisions rest on: an unsure decision takes
+    # samples up to it, then the medians decide (``estimator.contested``)
+    max_samples: int = 48
 
 
 @dataclass(frozen=True)
