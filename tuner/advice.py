@@ -60,8 +60,9 @@ def recommendation(report: dict, state: LearningState) -> str:
     if not ranges:
         return "send traffic: no forward has been timed yet"
     if not learned:
-        return (f"keep learning: none of {len(ranges)} ranges has every count timed "
-                f"({report.get('decision_min_samples', '?')} samples each) yet")
+        return (f"keep learning: none of {len(ranges)} ranges has learned a count yet (each "
+                f"count needs {report.get('decision_min_samples', '?')} samples, more where "
+                f"two are close)")
     if state is LearningState.SERVING:
         ups = [r["speedup"] for r in learned if r["speedup"] and r["state"] ==
                RangeState.SERVING]

@@ -35,7 +35,7 @@ best; or it lies past a slower count, below), the count with the lowest median w
 count other than the configured one replaces it where its whole interval lies below the
 configured count's median less ``margin`` (the bar). Where its median lies under the bar
 but its interval reaches over it, the rule is not sure either way: both counts take more
-samples (``contested``), up to the ``most`` a decision rests on (``max_samples``, the
+samples, up to the ``most`` a decision rests on (``max_samples``, the
 horizon), where the medians decide. Where no median lies under the bar the configured count
 stays. Deciding for the configured count at ``min_samples`` whenever the interval reached
 over the bar (as it did) kept 1 thread under steady closed-loop load in 1-4 of 6 ranges a round,
@@ -217,55 +217,44 @@ def counts_needing_samples(samples_by_count: Mapping[int, Sequence[float]],
     return [n for n in counts if len(samples_by_count.get(n, ())) < target and n not in out]
 
 
-def _contest(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
-             configured: int, margin: float) -> tuple[int, dict[int, Estimate], float | None]:
-    """The fastest count by its median, every count's estimate that is not ``ruled_out``,
-    and the bar a count must beat to replace the configured one (None: the configured count
-    was never timed, past a slower one)."""
+def _rule(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
+          configured: int, min_samples: int, most: int,
+          margin: float) -> tuple[list[int], int | None]:
+    """The counts that still need samples, and the count learned once none does (see the
+    module docstring). First ``min_samples`` of each count not ``ruled_out``; then, with the
+    bar at the configured count's median less ``margin``: sure where the fastest count's
+    whole interval lies under the bar (it replaces the configured one), or where its median
+    does not (the configured count stays); else unsure, and the configured count and every
+    count whose median lies under the bar take samples up to ``most``, where the medians
+    decide."""
+    first = counts_needing_samples(samples_by_count, counts, min_samples)
+    if first:
+        return first, None
     out = ruled_out(samples_by_count, counts)
     est = {n: estimate(samples_by_count[n]) for n in counts if n not in out}
     best = min(est, key=lambda n: (est[n].ms, n != configured, n))
     base = est.get(configured) or estimate(samples_by_count.get(configured, ()))
-    return best, est, None if base is None else base.ms * (1 - margin)
-
-
-def contested(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
-              configured: int, margin: float) -> list[int]:
-    """Once every count has its first samples: the counts the rule is not yet sure of. A
-    count whose median lies under the bar but whose interval reaches over it might replace
-    the configured count, or not: it and the configured count need more samples. Empty where
-    the fastest count's whole interval lies under the bar (it replaces the configured one),
-    or no median does (the configured count stays: none is a margin faster by its median)."""
-    best, est, bar = _contest(samples_by_count, counts, configured, margin)
-    if bar is None or best == configured or est[best].high_ms < bar:
-        return []
-    under = [n for n, e in est.items() if n != configured and e.ms < bar]
-    return [configured, *under] if under and configured in est else under
+    if base is None:  # never timed: past a count already slower than ``best``
+        return [], best
+    bar = base.ms * (1 - margin)
+    if best == configured or est[best].ms >= bar:
+        return [], configured
+    unsure = [] if est[best].high_ms < bar else [
+        n for n in sorted(est, key=lambda n: n != configured)
+        if (n == configured or est[n].ms < bar) and len(samples_by_count[n]) < most]
+    return unsure, None if unsure else best
 
 
 def counts_to_sample(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
                      configured: int, min_samples: int, most: int, margin: float) -> list[int]:
-    """The counts a range still needs samples of: first ``min_samples`` of each count that is
-    not ruled out (``counts_needing_samples``), then, while the rule is unsure, more of the
-    ``contested`` counts, up to ``most`` (the samples a decision rests on)."""
-    first = counts_needing_samples(samples_by_count, counts, min_samples)
-    if first:
-        return first
-    return [n for n in contested(samples_by_count, counts, configured, margin)
-            if len(samples_by_count.get(n, ())) < most]
+    """The counts a range still needs samples of (``_rule``)."""
+    return _rule(samples_by_count, counts, configured, min_samples, most, margin)[0]
 
 
 def choose(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int],
            configured: int, min_samples: int, margin: float, most: int) -> int | None:
-    """The count a range learns, or None while it needs samples (``counts_to_sample``; see
-    the module docstring)."""
-    if counts_to_sample(samples_by_count, counts, configured, min_samples, most, margin):
-        return None
-    best, est, bar = _contest(samples_by_count, counts, configured, margin)
-    if bar is None:  # never timed: past a count already slower than ``best``
-        return best
-    # sure either way, or every contested count has ``most`` samples: the medians decide
-    return best if best != configured and est[best].ms < bar else configured
+    """The count a range learns, or None while it needs samples (``_rule``)."""
+    return _rule(samples_by_count, counts, configured, min_samples, most, margin)[1]
 
 
 def speedup(samples_by_count: Mapping[int, Sequence[float]], configured: int,

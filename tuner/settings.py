@@ -38,7 +38,7 @@ class Learning:
     relearn_window: int = 16  # served forwards at one count each relearning check rests on
     probe_window: int = 4  # probe shadows at one count each relearning check rests on
     # recent samples per count per range that decisions rest on: an unsure decision takes
-    # samples up to it, then the medians decide (``estimator.contested``)
+    # samples up to it, then the medians decide (``estimator.choose``)
     max_samples: int = 48
 
 
