@@ -1,7 +1,8 @@
 """The targets of ``bench.adaptive_load``, judged on intervals (SPEC R8.2): each ratio with its
 bootstrap 95% interval over paired rounds, its verdict (met only when the whole interval
 clears the goal) and, beside it, the null check's interval for the same figure at the same
-level (``fixed 1 again`` over ``fixed 1``: two identical servers, so the noise of that ratio).
+level (``fixed 1 again`` over ``fixed 1``: two identical servers, so the noise of that ratio;
+for ``steady``, the best fixed count's twin where the run has one, ``fixed 2 again``).
 
 Everything here reads the run's results (``out``: the rounds of every server and level, the
 raw open-loop latencies kept in memory) and returns rows; nothing runs a server.
@@ -26,6 +27,7 @@ from bench.stats import (
 )
 
 AGAIN = "fixed 1 again"
+AGAIN_2 = "fixed 2 again"
 FIXED = ("fixed 1", "fixed 2")
 
 
@@ -116,9 +118,14 @@ def steady_targets(out: dict) -> list[dict]:
         med = {s: statistics.median(windows_rps(r[s], part) for r in rounds)
                for s in FIXED if all(s in r for r in rounds) and rounds}
         best = max(med, key=med.__getitem__) if len(med) == 2 else None
-        rows.append(row(f"(s) steady: {MODE2} req/s / best fixed ({best}), {label}",
-                        ">= 0.97", median_interval(ratio(MODE2, best)) if best else NONE,
-                        median_interval(ratio(AGAIN, "fixed 1"))))
+        # the null check of the count the ratio divides by, where the run has its twin
+        twin = next(((a, b) for a, b in ((f"{best} again", best), (AGAIN, "fixed 1"),
+                                          (AGAIN_2, "fixed 2"))
+                     if best and all(a in r for r in rounds)), None)
+        null = median_interval(ratio(*twin)) if twin else NONE
+        rows.append(row(f"(s) steady: {MODE2} req/s / best fixed ({best}), {label}"
+                        + (f"; null check {twin[0]} / {twin[1]}" if twin else ""),
+                        ">= 0.97", median_interval(ratio(MODE2, best)) if best else NONE, null))
     return rows
 
 

@@ -84,6 +84,24 @@ def test_steady_and_regret_targets_carry_intervals_verdicts_and_the_null_check()
     assert load_targets.table(rows)[2][3] == "missed"
 
 
+def test_the_steady_null_check_is_the_best_fixed_counts_twin_where_the_run_has_one():
+    """Two 2-thread servers swing far wider window to window than two 1-thread ones: the
+    steady ratio over fixed 2 is judged beside fixed 2 again / fixed 2, not fixed 1's twin."""
+    steady = [_steady_round({"fixed 1": [30] * 4, "fixed 2": [40] * 4,
+                             "fixed 2 again": [40 * (0.8 if i % 2 else 1.2)] * 4,
+                             MODE2: [40] * 4}) for i in range(8)]
+    (whole, _late) = load_targets.steady_targets({"steady_rounds": steady})
+    assert "best fixed (fixed 2)" in whole["target"]
+    assert "null check fixed 2 again / fixed 2" in whole["target"]
+    assert whole["null"]["lo"] == pytest.approx(0.8) and whole["null"]["hi"] == pytest.approx(1.2)
+    with_both = [{**r, "fixed 1 again": r["fixed 1"]} for r in steady]
+    (whole, _late) = load_targets.steady_targets({"steady_rounds": with_both})
+    assert "fixed 2 again" in whole["target"]  # the twin of the best, not the first one
+    without = [{n: w for n, w in r.items() if n != "fixed 2 again"} for r in steady]
+    (whole, _late) = load_targets.steady_targets({"steady_rounds": without})
+    assert "null check" not in whole["target"] and whole["null"]["rounds"] == 0
+
+
 def test_p99_target_pools_the_open_loop_requests_of_every_round():
     raw = {"fixed 1": {"poisson 60%": [[10.0] * 99 + [50.0]] * 6},
            "mode 1": {"poisson 60%": [[10.0] * 99 + [60.0]] * 6},
