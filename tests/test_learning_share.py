@@ -29,10 +29,12 @@ def backend():
 
 
 def back_to_back(backend, share: float, forwards: int, mode: AdaptiveMode = AdaptiveMode.SERVE,
-                 waited: float = 0.0) -> tuple[AdaptiveThreads, int | None]:
+                 waited: float = 0.0, first: list[int] | None = None
+                 ) -> tuple[AdaptiveThreads, int | None]:
     """Serve up to ``forwards`` one-row forwards back to back (each shadow step runs while
     one is in flight); returns the tuner and the forward at which range 16-31 served 2. A
-    shadow's threads each waited ``waited`` of its time for a CPU."""
+    shadow's threads each waited ``waited`` of its time for a CPU. ``first``: a row served
+    once before them (of a range the traffic then never reaches again)."""
     now = [0.0]
     settings = TunerSettings.of(background=False, min_samples=4, window=4, learning_share=share)
     paid_runs = []
@@ -49,7 +51,7 @@ def back_to_back(backend, share: float, forwards: int, mode: AdaptiveMode = Adap
     tuner.ledger.locked_reason = None
     tuner.ledger.voucher = Voucher(1, 0, True, (Coverage((1, 2), 1, 2, 64, 64, 64, 63),))
     for i in range(forwards):
-        batch = pad([row(20, i)])
+        batch = pad([first if first is not None and i == 0 else row(20, i)])
         n = tuner.served_threads(batch)
         while tuner.step():  # the shadow loop, while this forward runs
             pass
@@ -78,6 +80,22 @@ def test_without_a_share_the_window_never_completes_under_back_to_back_load(back
     r = tuner.learner.ranges[16]
     assert at is None and r.learned == 2 and not r.serving
     assert tuner.side.paid.paid_shadows == 0
+
+
+def test_a_range_the_traffic_reached_once_learns_from_paid_shadows_of_that_batch(backend):
+    """R4.5 amended, mode 1 under back-to-back load: one batch of range 64-127 was served,
+    then only rows of 20 tokens. The share pays for shadows of that one batch, each
+    ``starved_s`` after the last, at every count, until the range has its samples and learns
+    (before, only a newly served batch of the range restarted its starvation clock: it got
+    one paid shadow, and at 60% of capacity a range reached 3 times in 5 minutes never
+    learned)."""
+    tuner, _ = back_to_back(backend, 0.02, 2000, AdaptiveMode.LEARN, first=row(100))
+    r = tuner.learner.ranges[64]
+    need = tuner.settings.learning.min_samples
+    assert r.learned is not None, (r.samples, tuner.side.paid)
+    assert all(len(r.samples.get(n, ())) >= need for n in (1, 2)), r.samples
+    paid = tuner.side.paid
+    assert paid.paid_s <= 0.02 * paid.served_s + paid.cap_s + SHADOW_S
 
 
 def test_the_paid_bucket_fills_at_the_share_caps_and_is_charged():

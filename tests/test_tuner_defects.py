@@ -189,7 +189,7 @@ def test_a_batch_whose_shadows_give_no_sample_is_tried_again_later_and_later():
     waits = []
     for _ in range(4):  # every shadow at 2 threads overlapped by a served forward
         tuner.learner.after_shadow(lo, job, 2, backend.forward(batch, 2), clean=False,
-                                   overlapped_at=now[0])
+                                   now=now[0], overlapped_at=now[0])
         waits.append(round(job.not_before - now[0], 6))
     assert waits == [0.1, 0.2, 0.4, 0.5] and 2 in job.counts
 

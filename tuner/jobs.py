@@ -66,6 +66,19 @@ class JobBoard:
         since = self.starved_since.get(lo)
         return since is not None and now - since >= self._starved_s
 
+    def starve_again(self, lo: int, now: float) -> None:
+        """Range ``lo``'s due work moved on at ``now`` (a sample, a comparison toward its
+        window, or a paid shadow): where the share may still pay for some of what is left,
+        it starves again from now, so it is paid again after ``starved_s`` more; else it
+        starves no more. (Only a newly served batch restarted the clock before: a range the
+        traffic reaches rarely got one paid shadow per served batch, and at 60% of capacity
+        one reached 3 times in 5 minutes kept 3 samples and never learned.)"""
+        job = self.jobs.get(lo)
+        if job is not None and any(self.payable(lo, job, n) for n in job.counts):
+            self.starved_since[lo] = now
+        else:
+            self.starved_since.pop(lo, None)
+
     def paid_due(self, now: float, affords: Callable[[float], bool]
                  ) -> tuple[int, ShadowJob, int] | None:
         """The first due shadow, ranges oldest first, whose range starved (``starved``), that

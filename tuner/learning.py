@@ -175,10 +175,10 @@ class Learner(Relearning):
 
     # -- a shadow ended --------------------------------------------------------------------
     def after_shadow(self, lo: int, job: ShadowJob, count: int, result: ForwardResult,
-                     clean: bool, retry: bool = True, paid: bool = False,
+                     clean: bool, now: float, retry: bool = True, paid: bool = False,
                      overlapped_at: float | None = None) -> None:
-        """A shadow ended: the ledger compares it with the served answer (a difference is
-        drift); a clean one is a sample (what it would cost a served forward:
+        """A shadow ended at ``now``: the ledger compares it with the served answer (a
+        difference is drift); a clean one is a sample (what it would cost a served forward:
         ``estimator.served_cost_ms``); the range's state moves on."""
         if not self.ledger.learning:
             return
@@ -198,8 +198,6 @@ class Learner(Relearning):
         elif clean:
             progress |= r.exploring and count in self.need(r)
             self.sample(lo, r, count, cost_ms, job.batch.padded_tokens)
-        if progress or paid:  # the share pays again only after ``starved_s`` more
-            self.board.starved_since.pop(lo, None)
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)
@@ -214,6 +212,8 @@ class Learner(Relearning):
         self.sync.pending.learned.add(lo)
         self.settle(lo, r)  # (a range that starts serving needs its backlog no more)
         self.board.ran(lo, job)
+        if progress or paid:  # the share pays again only after ``starved_s`` more
+            self.board.starve_again(lo, now)
 
     # -- the steps -------------------------------------------------------------------------
     def sample(self, lo: int, r: RangeLearning, count: int, ms: float, tokens: int) -> None:

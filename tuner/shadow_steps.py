@@ -62,7 +62,8 @@ class ShadowSteps:
         lo, job, count, sharing = start.lo, start.job, start.count, start.sharing
         self.side.charge(start, result, self.clock())
         if start.paid:  # timed beside served forwards (its cost to one: ``served_cost_ms``)
-            self.learner.after_shadow(lo, job, count, result, clean=True, paid=True)
+            self.learner.after_shadow(lo, job, count, result, clean=True, now=self.clock(),
+                                      paid=True)
             return
         clean, before = clean_window(0, start.epoch, self.flight.epoch), self.tally.preempted
         discarded = self.tally.discarded
@@ -78,7 +79,7 @@ class ShadowSteps:
         # may be over; idle time alone does not: a worker with no traffic is always idle)
         # (an overlapped one is tried again later and later: ``ShadowJob.retry_after``)
         overlapped = self.tally.discarded != discarded
-        self.learner.after_shadow(lo, job, count, result, clean,
+        self.learner.after_shadow(lo, job, count, result, clean, self.clock(),
                                   retry=sharing or self.tally.preempted == before,
                                   overlapped_at=self.clock() if overlapped else None)
 
