@@ -124,7 +124,7 @@ def test_quick_regret_section_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "### Regret over one open-loop trace" in done.stdout
-    assert "null check: fixed 1 again / fixed 1" in done.stdout
+    assert "null check [95%]: fixed 1 again / fixed 1" in done.stdout
     result = json.loads(out.read_text())
     assert result["capacity_rps"] > 0 and len(result["regret_rounds"]) == 2
     for rnd in result["regret_rounds"]:
