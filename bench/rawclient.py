@@ -38,10 +38,12 @@ class Conn:
 
 
 async def closed_loop(url: str, clients: int, duration_s: float, body_of,
-                      path: str = "/v1/embeddings") -> list[tuple[int, float]]:
+                      path: str = "/v1/embeddings", first_bodies: dict[int, bytes] | None = None
+                      ) -> list[tuple[int, float]]:
     """``clients`` keep-alive connections, each sending ``body_of(i)`` back to back for
     ``duration_s``; returns (status, seconds) per request. A connection the server closes is
-    reopened."""
+    reopened. ``first_bodies``, where given, gets the first answer's body of each status
+    (its first 500 bytes): what a rare status said."""
     out: list[tuple[int, float]] = []
     end = time.monotonic() + duration_s
     counter = iter(range(10**9))
@@ -52,7 +54,9 @@ async def closed_loop(url: str, clients: int, duration_s: float, body_of,
             while time.monotonic() < end:
                 start = time.monotonic()
                 try:
-                    status, _, _ = await conn.post(path, body_of(next(counter)))
+                    status, _, answer = await conn.post(path, body_of(next(counter)))
+                    if first_bodies is not None:
+                        first_bodies.setdefault(status, answer[:500])
                 except (ConnectionError, asyncio.IncompleteReadError, IndexError):
                     conn.close()
                     conn = await Conn.open(url)
