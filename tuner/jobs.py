@@ -70,9 +70,8 @@ class JobBoard:
         """Range ``lo``'s due work moved on at ``now`` (a sample, a comparison toward its
         window, or a paid shadow): where the share may still pay for some of what is left,
         it starves again from now, so it is paid again after ``starved_s`` more; else it
-        starves no more. (Only a newly served batch restarted the clock before: a range the
-        traffic reaches rarely got one paid shadow per served batch, and at 60% of capacity
-        one reached 3 times in 5 minutes kept 3 samples and never learned.)"""
+        starves no more. A range the traffic reaches rarely is so timed from the batches it
+        saw, not only from the next one served (``put``)."""
         job = self.jobs.get(lo)
         if job is not None and any(self.payable(lo, job, n) for n in job.counts):
             self.starved_since[lo] = now

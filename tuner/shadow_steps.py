@@ -78,10 +78,10 @@ class ShadowSteps:
         # served forwards: then ``_quiet_s`` and the backoff space its tries out (the load
         # may be over; idle time alone does not: a worker with no traffic is always idle)
         # (an overlapped one is tried again later and later: ``ShadowJob.retry_after``)
-        overlapped = self.tally.discarded != discarded
-        self.learner.after_shadow(lo, job, count, result, clean, self.clock(),
+        overlapped, now = self.tally.discarded != discarded, self.clock()
+        self.learner.after_shadow(lo, job, count, result, clean, now,
                                   retry=sharing or self.tally.preempted == before,
-                                  overlapped_at=self.clock() if overlapped else None)
+                                  overlapped_at=now if overlapped else None)
 
     def _paid_shadow(self, now: float) -> tuple[int, ShadowJob, int, bool] | None:
         """The first due shadow, ranges oldest first, that the learning share may pay for
