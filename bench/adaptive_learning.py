@@ -15,7 +15,6 @@ so it never saw a server that learns a count under steady load but never serves 
 from __future__ import annotations
 
 import contextlib
-import statistics
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -55,23 +54,36 @@ def _each(fixed: dict[str, Server], fresh: Callable[[], Server], i: int, log,
     return out
 
 
+# The settling windows (mode 2 alone, nothing paired with them) are 10 s: a line of 12 per
+# round is readable. The measured windows are paired across servers and must be short: on
+# this host bare 2-thread forwards of one fixed batch mix, no server, ran 52-77 ms per 5 s
+# while 1-thread ones stayed within 93-101 ms, and two identical 2-thread servers' req/s
+# per window pair differed with a spread (sd) of 0.22 in 10-s windows four servers apart
+# (60 pairs), 0.13 in 3-s windows side by side (30 pairs).
+SETTLE_WINDOW_S = 10.0
+
+
 def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, conns: int,
            seconds: float, window_s: float, rounds: int, log=print,
            settle_s: float = 0.0) -> list[dict[str, dict]]:
     """Per round, per server: its windows (req/s, p50, p99 of each). A fresh mode 2 first
-    serves ``settle_s`` of the load alone (``settle_windows``, other bodies); then every
-    server runs ``seconds`` in windows taken in turn, window k of each server one after
-    another (the order rotated per window, the same bodies for all in window k), so a slow
-    stretch of the shared host falls on all of them alike. Run one after another, whole
-    minutes apart, two identical servers differed by 0.86-1.14x (95% interval, 6 rounds)."""
+    serves ``settle_s`` of the load alone (``settle_windows`` of ``SETTLE_WINDOW_S``, other
+    bodies); then every server runs ``seconds`` in windows of ``window_s`` taken in turn,
+    window k of each server one after another (the order rotated per window, the same bodies
+    for all in window k), so a slow stretch of the shared host falls on all of them alike.
+    Run one after another, whole minutes apart, two identical servers differed by 0.86-1.14x
+    (95% interval, 6 rounds). The windows must be shorter than the host's slow stretches:
+    see ``SETTLE_WINDOW_S``."""
     windows = max(1, round(seconds / window_s))
-    settle = round(settle_s / window_s)
+    settle = round(settle_s / SETTLE_WINDOW_S) if settle_s >= SETTLE_WINDOW_S else \
+        int(settle_s > 0)
+    settle_window_s = settle_s / settle if settle else 0.0
     base = zlib.crc32(b"steady") % 10**6 * 100
 
-    def window(server: Server, seed: int) -> dict:
-        r = wrk(server.url, script, conns, window_s, seed=seed)
-        return {key: r[key] for key in ("rps", "p50_ms", "p99_ms", "requests", "non_2xx",
-                                        "errors")}
+    def window(server: Server, seed: int, seconds: float = window_s) -> dict:
+        r = wrk(server.url, script, conns, seconds, seed=seed)
+        return {"seconds": seconds, **{key: r[key] for key in (
+            "rps", "p50_ms", "p99_ms", "requests", "non_2xx", "errors")}}
 
     def show(name: str, ws: list[dict]) -> None:
         log(f"  steady {name:34} " + " ".join(f"{w['rps']:5.1f}" for w in ws) + " req/s")
@@ -81,7 +93,7 @@ def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, c
         base += 10_000  # a server's rounds never repeat a body (its result cache)
         server = fresh()
         try:
-            early = [window(server, base + 5_000 + k) for k in range(settle)]
+            early = [window(server, base + 5_000 + k, settle_window_s) for k in range(settle)]
             settled = {}
             if early:
                 show(MODE2 + " (settling)", early)
@@ -136,12 +148,14 @@ def regret(fixed: dict[str, Server], fresh: Callable[[], Server],
 def windows_rps(run: dict, part: str = "all") -> float:
     """Req/s over a steady run's measured windows: all of them, the second half (``late``),
     or with the settling windows before them (``learning``: a fresh mode 2 from its first
-    second; a fixed server has none)."""
+    second; a fixed server has none), each window weighted by its length (the settling
+    windows are longer than the measured ones; results without lengths: equal)."""
     ws = run["windows"]
     ws = ws[len(ws) // 2:] if part == "late" else ws
     if part == "learning":
         ws = [*run.get("settle_windows", ()), *ws]
-    return statistics.fmean(w["rps"] for w in ws)
+    return sum(w["rps"] * w.get("seconds", 1.0) for w in ws) / sum(
+        w.get("seconds", 1.0) for w in ws)
 
 
 def regret_figures(rnd: dict[str, dict], fixed_names: tuple[str, ...]) -> dict:

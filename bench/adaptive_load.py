@@ -5,7 +5,7 @@ with the targets of the adaptive-threads work judged on intervals at the end (SP
                                   [--learn-seconds 60] [--max-num-batched-tokens 512]
                                   [--only levels oracle neighbour phases steady regret]
                                   [--steady-seconds 60] [--steady-settle-seconds 120]
-                                  [--window-seconds 10]
+                                  [--window-seconds 2]
                                   [--steady-rounds 6] [--regret-seconds 120]
                                   [--regret-share 0.6] [--regret-rounds 6]
                                   [--connections 64] [--quick] [--no-verify]
@@ -187,7 +187,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steady-seconds", type=float, default=60, help="per server and round")
     p.add_argument("--steady-settle-seconds", type=float, default=120,
                    help="steady: load mode 2 serves before it is measured (0: none)")
-    p.add_argument("--window-seconds", type=float, default=10, help="steady: one window")
+    p.add_argument("--window-seconds", type=float, default=2,
+                   help="steady: one measured window, paired across the servers (shorter "
+                        "than the host's slow stretches)")
     p.add_argument("--steady-rounds", type=int, default=6, help="6: the fewest that judge")
     p.add_argument("--regret-seconds", type=float, default=120, help="the trace's length")
     p.add_argument("--regret-share", type=float, default=0.6, help="trace rate / capacity")
@@ -526,9 +528,13 @@ def steady_table(rounds: list[dict]) -> None:
         print(f"{MODE2} while it settles (before its measured windows): " + " ".join(
             f"{statistics.median(s[i]['rps'] for s in settling):.1f}" for i in range(k))
             + " req/s\n")
-    print(md(["server", *(f"w{k + 1}" for k in range(windows)), "whole run", "second half"],
-             [[n, *(statistics.median(r[n]["windows"][k]["rps"] for r in rounds)
-                    for k in range(windows)),
+    # at most six columns: consecutive windows in groups, each the mean of its windows' req/s
+    size = -(-windows // 6)
+    groups = [range(k, min(k + size, windows)) for k in range(0, windows, size)]
+    print(md(["server", *(f"w{g[0] + 1}" + (f"-{g[-1] + 1}" if len(g) > 1 else "")
+                          for g in groups), "whole run", "second half"],
+             [[n, *(statistics.median(statistics.fmean(r[n]["windows"][k]["rps"] for k in g)
+                                      for r in rounds) for g in groups),
                statistics.median(adaptive_learning.windows_rps(r[n]) for r in rounds),
                statistics.median(adaptive_learning.windows_rps(r[n], "late") for r in rounds)]
               for n in names]))

@@ -13,7 +13,7 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from bench import load_targets
+from bench import adaptive_learning, load_targets
 from bench.adaptive_learning import MODE2, regret_figures, rotated
 from bench.load_trace import RangeTime, parse_forward_totals, range_oracle, since, write_bodies
 
@@ -100,6 +100,18 @@ def test_the_steady_null_check_is_the_best_fixed_counts_twin_where_the_run_has_o
     without = [{n: w for n, w in r.items() if n != "fixed 2 again"} for r in steady]
     (whole, _late) = load_targets.steady_targets({"steady_rounds": without})
     assert "null check" not in whole["target"] and whole["null"]["rounds"] == 0
+
+
+def test_learning_included_weighs_each_window_by_its_length():
+    """The settling windows (10 s) are longer than the measured ones (2 s): req/s with
+    learning included is per second of load, not per window."""
+    run = {"settle_windows": [{"rps": 50.0, "seconds": 10.0}] * 2,
+           "windows": [{"rps": 100.0, "seconds": 2.0}] * 5}
+    assert adaptive_learning.windows_rps(run, "learning") == pytest.approx(
+        (50 * 20 + 100 * 10) / 30)
+    assert adaptive_learning.windows_rps(run) == pytest.approx(100.0)
+    # results written before windows carried their length: equal weights
+    assert adaptive_learning.windows_rps({"windows": [{"rps": 1.0}, {"rps": 3.0}]}) == 2.0
 
 
 def test_p99_target_pools_the_open_loop_requests_of_every_round():
