@@ -15,6 +15,7 @@ so it never saw a server that learns a count under steady load but never serves 
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -54,12 +55,8 @@ def _each(fixed: dict[str, Server], fresh: Callable[[], Server], i: int, log,
     return out
 
 
-# The settling windows (mode 2 alone, nothing paired with them) are 10 s: a line of 12 per
-# round is readable. The measured windows are paired across servers and must be short: on
-# this host bare 2-thread forwards of one fixed batch mix, no server, ran 52-77 ms per 5 s
-# while 1-thread ones stayed within 93-101 ms, and two identical 2-thread servers' req/s
-# per window pair differed with a spread (sd) of 0.22 in 10-s windows four servers apart
-# (60 pairs), 0.13 in 3-s windows side by side (30 pairs).
+# The settling windows (mode 2 alone, nothing paired with them) are about 10 s: a line of
+# 12 per round is readable. The measured windows are short and paired: ``--window-seconds``.
 SETTLE_WINDOW_S = 10.0
 
 
@@ -72,11 +69,10 @@ def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, c
     window k of each server one after another (the order rotated per window, the same bodies
     for all in window k), so a slow stretch of the shared host falls on all of them alike.
     Run one after another, whole minutes apart, two identical servers differed by 0.86-1.14x
-    (95% interval, 6 rounds). The windows must be shorter than the host's slow stretches:
-    see ``SETTLE_WINDOW_S``."""
+    (95% interval, 6 rounds); the windows must be shorter than the host's slow stretches
+    (``--window-seconds``)."""
     windows = max(1, round(seconds / window_s))
-    settle = round(settle_s / SETTLE_WINDOW_S) if settle_s >= SETTLE_WINDOW_S else \
-        int(settle_s > 0)
+    settle = math.ceil(settle_s / SETTLE_WINDOW_S)
     settle_window_s = settle_s / settle if settle else 0.0
     base = zlib.crc32(b"steady") % 10**6 * 100
 

@@ -187,6 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steady-seconds", type=float, default=60, help="per server and round")
     p.add_argument("--steady-settle-seconds", type=float, default=120,
                    help="steady: load mode 2 serves before it is measured (0: none)")
+    # 2 s: on this host bare 2-thread forwards, no server, switch between two speeds in
+    # stretches of seconds (1-thread ones do not), and two identical 2-thread servers' req/s
+    # per window pair spread (sd) 0.22 in 10-s windows four servers apart (60 pairs), 0.13
+    # in 3-s windows side by side (30 pairs)
     p.add_argument("--window-seconds", type=float, default=2,
                    help="steady: one measured window, paired across the servers (shorter "
                         "than the host's slow stretches)")
