@@ -59,6 +59,18 @@ def _finish(manifest: Manifest, out: np.ndarray, batch: TokenBatch) -> np.ndarra
     return out
 
 
+# A session's intra-op pool spins after each run, waiting for the next, while its caller's
+# thread goes on. Where one process runs forwards at several counts (mode 2 serving learned
+# counts, the shadow side), the pool of the count that just ran spins through the next
+# forward at another count: a 1-thread forward after 2-thread ones ran 1.5-1.6x slower here
+# beside a thread like the front end's (busy 40% of a core), and not at all with the pool told
+# to stop spinning after each run, which cost a 2-thread forward after 2-thread ones nothing
+# (quiet or beside that thread; 2 vCPUs, a 3 x 20-token batch). Served that way under 16
+# connections, whichever count a range served less often read slower than it is (ranges 1.6x
+# faster at 2 threads learned 1, then relearned). onnxruntime's session key for it:
+SPIN_STOP = "session.force_spinning_stop"
+
+
 class OnnxBackend:
     """onnxruntime: the intra-op pool belongs to a session, so one session per count."""
 
@@ -68,12 +80,13 @@ class OnnxBackend:
     def __init__(self, manifest: Manifest, onnx_path: str,
                  like: OnnxBackend | None = None,
                  precision: Precision = Precision.FLOAT32,
-                 session_path: str | None = None) -> None:
+                 session_path: str | None = None, stop_spinning: bool = False) -> None:
         import onnxruntime as ort
 
         self._ort = ort
         self.manifest = manifest
         self.precision = precision
+        self.stop_spinning = stop_spinning  # see ``SPIN_STOP``
         self.onnx_path = onnx_path  # the artifact's ONNX file (or its int8 copy)
         # what sessions load: the shared copy of ``onnx_path`` (``weights.py``), or itself
         self.session_path = session_path or onnx_path
@@ -99,6 +112,8 @@ class OnnxBackend:
                 opts.inter_op_num_threads = 1
                 opts.execution_mode = self._ort.ExecutionMode.ORT_SEQUENTIAL
                 opts.log_severity_level = 3
+                if self.stop_spinning and num_threads > 1:
+                    opts.add_session_config_entry(SPIN_STOP, "1")
                 try:
                     session = self._ort.InferenceSession(
                         self.session_path, opts, providers=["CPUExecutionProvider"])
@@ -124,7 +139,7 @@ class OnnxBackend:
         """Sessions of its own: an onnxruntime session's intra-op pool is made by the thread
         that creates the session, and served and shadow forwards must not share one."""
         return OnnxBackend(self.manifest, self.onnx_path, like=self, precision=self.precision,
-                           session_path=self.session_path)
+                           session_path=self.session_path, stop_spinning=self.stop_spinning)
 
     def close(self) -> None:
         with self._lock:
@@ -182,11 +197,13 @@ class TorchBackend:
 
 
 def load_backend(manifest: Manifest, backend: BackendName | str, device: str = "cpu",
-                 precision: Precision | str = Precision.FLOAT32) -> Backend:
+                 precision: Precision | str = Precision.FLOAT32,
+                 several_counts: bool = False) -> Backend:
     """Build a backend for the artifact at ``precision`` (exporting ONNX, and quantizing it
     for int8, once per revision if needed), its weights mapped from the file its shadow
     process maps too (``weights.py``). A GPU device always runs torch: the onnxruntime
-    build here is CPU-only. A precision the backend does not run is Unsupported."""
+    build here is CPU-only. A precision the backend does not run is Unsupported.
+    ``several_counts``: the process runs forwards at more than one count (``SPIN_STOP``)."""
     try:
         name = BackendName(backend)
     except ValueError:
@@ -205,4 +222,5 @@ def load_backend(manifest: Manifest, backend: BackendName | str, device: str = "
 
     path = ensure_quantized(manifest) if precision is Precision.INT8 else ensure_onnx(manifest)
     return OnnxBackend(manifest, str(path), precision=precision,
-                       session_path=str(shared_onnx(manifest, precision, path)))
+                       session_path=str(shared_onnx(manifest, precision, path)),
+                       stop_spinning=several_counts)

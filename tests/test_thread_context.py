@@ -118,3 +118,51 @@ def test_onnxruntime_sessions_per_count_reproduce_their_answers(manifest):
     for res in results:
         assert res.observed_threads == res.num_threads
         assert np.array_equal(res.outputs, reference[res.num_threads])
+
+
+def test_a_process_serving_several_counts_stops_each_pools_spinning_after_a_run(manifest):
+    """A session's pool spins after each run; where one process runs several counts (mode 2
+    serving, the shadow side), the pool of the count that just ran would spin through the
+    next forward at another count (``backend.SPIN_STOP``). Such a backend tells each session
+    above 1 thread to stop spinning after a run (its twin, the in-process shadow side's, too)
+    and answers exactly as one that does not; a backend of one count keeps onnxruntime's
+    default."""
+    from vllm_srun.runtime.backend import SPIN_STOP
+    from vllm_srun.runtime.engine import pad
+
+    def entry(backend: OnnxBackend, n: int) -> str | None:
+        try:
+            return backend._session(n).get_session_options().get_session_config_entry(SPIN_STOP)
+        except RuntimeError:  # onnxruntime: "does not have configuration with key"
+            return None
+
+    several = load_backend(manifest, "onnxruntime", several_counts=True)
+    one = load_backend(manifest, "onnxruntime")
+    twin = several.twin()
+    batch = pad([[101] + [7592] * 12 + [102], [101, 2088, 102]])
+    try:
+        assert [entry(several, 2), entry(twin, 2), entry(one, 2)] == ["1", "1", None]
+        assert entry(several, 1) is None  # 1 thread: no pool to spin
+        for n in (1, 2):
+            assert np.array_equal(several.forward(batch, n).outputs,
+                                  one.forward(batch, n).outputs)
+    finally:
+        for b in (several, one, twin):
+            b.close()
+
+
+@pytest.mark.parametrize("mode, stops", [(0, False), (1, False), (2, True)])
+def test_only_a_worker_that_serves_several_counts_stops_its_pools_spinning(mode, stops):
+    """Mode 2 serves learned counts beside the configured one; modes 0 and 1 serve one count
+    (mode 1's other counts run in the shadow process, whose backend stops spinning too)."""
+    from vllm_srun.server.worker.assembly import Worker
+    from vllm_srun.server.worker.spec import WorkerSpec
+    from vllm_srun.tuner.modes import AdaptiveMode
+
+    spec = WorkerSpec(L6, "onnxruntime", EngineArgs(num_threads=1, cache_entries=0), budget=2,
+                      mode=AdaptiveMode(mode), calibrate=False)
+    backend = Worker(spec)._choose_backend()
+    try:
+        assert backend.stop_spinning is stops
+    finally:
+        backend.close()

@@ -36,7 +36,7 @@ def serve_shadows(conn, manifest: Manifest, backend_name: str, parent: int, arme
     die_with_parent(parent, signal.SIGKILL)  # SIGKILL: even while frozen
     armed.set()  # only now may the worker freeze it
     make_process_idle()  # every thread made from here on inherits it
-    backend = load_backend(manifest, backend_name, precision=precision)
+    backend = load_backend(manifest, backend_name, precision=precision, several_counts=True)
     loaded.set()
     context = ThreadContext()
     waits = RunDelay()  # the forward's own threads' waits (``run_delay``)

@@ -81,7 +81,8 @@ class Worker:
         name = BackendName.TORCH if is_gpu(spec.device) else spec.backend
         backend, self.precision = choose(
             manifest, name, spec.dtype, spec.quality_gate, spec.args.num_threads,
-            lambda p: load_backend(manifest, spec.backend, spec.device, p))
+            lambda p: load_backend(manifest, spec.backend, spec.device, p,
+                                   several_counts=spec.mode is AdaptiveMode.SERVE))
         return backend
 
     def _load(self, on_forward: Callable[[ForwardRecord], None] | None) -> Runner:
