@@ -6,7 +6,8 @@ with the targets of the adaptive-threads work judged on intervals at the end (SP
                                   [--only levels oracle neighbour phases steady regret]
                                   [--steady-seconds 60] [--steady-settle-seconds 120]
                                   [--window-seconds 2]
-                                  [--steady-rounds 6] [--regret-seconds 120]
+                                  [--steady-rounds 6] [--neighbour-rounds 30]
+                                  [--neighbour-seconds 4] [--regret-seconds 120]
                                   [--regret-share 0.6] [--regret-rounds 6]
                                   [--connections 64] [--quick] [--no-verify]
                                   [--voucher PATH] [--out bench/results/adaptive_load.json]
@@ -44,8 +45,10 @@ Sections (``--only``):
   over each server's class means weighted the same way (a per-length-class oracle, not per
   padded-token range: ``regret`` has that one).
 - ``neighbour``: a CPU hog of one core (``sha256sum /dev/zero``) stopped and continued every
-  2 s while fixed 1, fixed 2, fixed 1 again and mode 2 (learning beside the neighbour) are
-  measured at 16 and at 1 connection.
+  2 s while fixed 1, fixed 2, fixed 1 again, fixed 2 again and mode 2 (learning beside the
+  neighbour) are measured at 16 and at 1 connection, in ``--neighbour-rounds`` paired rounds
+  of ``--neighbour-seconds`` (30 of 4 s: one on/off period each); the null check is the
+  twin of the fixed count best at that level.
 - ``phases``: fixed 1 and fixed 2 with that neighbour stopped, then running throughout: the
   per-phase oracle says what following the neighbour could gain over fixed 2.
 - ``steady`` (new): no learning phase. Per round (``--steady-rounds``), a fresh mode 2 first
@@ -195,6 +198,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steady: one measured window, paired across the servers (shorter "
                         "than the host's slow stretches)")
     p.add_argument("--steady-rounds", type=int, default=6, help="6: the fewest that judge")
+    # one run per neighbour period (on 2 s, off 2 s), many of them: 10 paired rounds of 12 s
+    # (48 s apart per server) gave mode 2 / fixed 2 0.85-1.42 per round here, the host's
+    # 2-thread speed drawn per run (fixed 2 alone 90-133 req/s), where 30 rounds of 4 s gave
+    # intervals half as wide (1.10 [1.03, 1.18], against 1.03 [0.87, 1.13])
+    p.add_argument("--neighbour-rounds", type=int, default=30,
+                   help="neighbour: paired rounds per level")
+    p.add_argument("--neighbour-seconds", type=float, default=4,
+                   help="neighbour: per server, level and round (one on/off period)")
     p.add_argument("--regret-seconds", type=float, default=120, help="the trace's length")
     p.add_argument("--regret-share", type=float, default=0.6, help="trace rate / capacity")
     p.add_argument("--regret-rounds", type=int, default=6, help="6: the fewest that judge")
@@ -209,16 +220,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # its defaults; flags win
         p.set_defaults(seconds=2, learn_seconds=6, rounds=2, steady_seconds=4,
                        steady_settle_seconds=4, window_seconds=2, steady_rounds=2,
+                       neighbour_rounds=2, neighbour_seconds=2,
                        regret_seconds=3, regret_rounds=2)
     args = p.parse_args(argv)
     args.no_verify = args.no_verify or (args.quick and not args.voucher)
     if args.steady_settle_seconds < 0:
         p.error("--steady-settle-seconds must be >= 0")
     for key in ("seconds", "learn_seconds", "steady_seconds", "window_seconds",
-                "regret_seconds", "regret_share"):
+                "regret_seconds", "regret_share", "neighbour_seconds"):
         if not getattr(args, key) > 0:
             p.error(f"--{key.replace('_', '-')} must be > 0")
-    for key in ("rounds", "steady_rounds", "regret_rounds", "connections"):
+    for key in ("rounds", "steady_rounds", "regret_rounds", "connections", "neighbour_rounds"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1")
     return args
@@ -324,12 +336,14 @@ class Bench:
         return self.out["capacity_rps"]
 
     def measure(self, name: str, level: str, server: Server, i: int, seed: int,
-                closed: tuple[str, int] | None, rate: float | None) -> dict:
+                closed: tuple[str, int] | None, rate: float | None,
+                seconds: float | None = None) -> dict:
         """One server, one round of a level: closed loop (wrk: ``closed`` = script,
-        connections) or open loop at ``rate`` (the round's bodies file, its seed)."""
+        connections) or open loop at ``rate`` (the round's bodies file, its seed), for
+        ``seconds`` (``--seconds``)."""
         a = self.args
         if closed is not None:
-            r = wrk(server.url, closed[0], closed[1], a.seconds, seed)
+            r = wrk(server.url, closed[0], closed[1], seconds or a.seconds, seed)
             r.pop("tail_us", None)
         else:
             bodies = self.tmp / f"bodies-{zlib.crc32(level.encode())}-{i}.jsonl"
@@ -353,17 +367,19 @@ class Bench:
         return r
 
     def interleaved(self, servers: dict[str, Server], level: str, table: dict,
-                    closed: tuple[str, int] | None = None, rate: float | None = None) -> None:
-        """``--rounds`` rounds, each server once per round (the order rotates, and runs
-        backwards every other round, so no server always follows the same one); every server
-        of a round gets the same requests at the same times (one seed per round and level);
-        the table keeps each server's median per figure, the rounds go to ``out["rounds"]``."""
+                    closed: tuple[str, int] | None = None, rate: float | None = None,
+                    rounds: int | None = None, seconds: float | None = None) -> None:
+        """``rounds`` (``--rounds``) rounds of ``seconds`` (``--seconds``) per server, each
+        server once per round (the order rotates, and runs backwards every other round, so no
+        server always follows the same one); every server of a round gets the same requests
+        at the same times (one seed per round and level); the table keeps each server's
+        median per figure, the rounds go to ``out["rounds"]``."""
         runs: dict[str, list[dict]] = {n: [] for n in servers}
         base = zlib.crc32(level.encode()) % 10**6 * 100
-        for i in range(self.args.rounds):
+        for i in range(rounds or self.args.rounds):
             for name in adaptive_learning.rotated(list(servers), i):
                 runs[name].append(self.measure(name, level, servers[name], i, base + i,
-                                               closed, rate))
+                                               closed, rate, seconds))
         for name, rs in runs.items():
             self.out["rounds"].setdefault(name, {})[level] = rs
             med = {k: statistics.median(r[k] for r in rs)
@@ -400,11 +416,15 @@ class Bench:
         self.vouch()  # before the neighbour starts: the sweep checks bits, not time
         print("== neighbour: sha256sum /dev/zero, stopped/continued every 2 s", flush=True)
         with neighbour():
-            servers = self.up((*SERVERS[:2], AGAIN, SERVERS[3]))  # mode 2 learns beside it
+            # mode 2 learns beside it; each fixed count's twin: the null check of whichever
+            # is best at a level (two 2-thread servers differ more than two 1-thread ones)
+            servers = self.up((*SERVERS[:2], AGAIN, AGAIN_2, SERVERS[3]))
+            a = self.args
             try:
                 for c in (16, 1):
                     self.interleaved(servers, f"closed {c} + neighbour", self.out["neighbour"],
-                                     (self.mixed, c))
+                                     (self.mixed, c), rounds=a.neighbour_rounds,
+                                     seconds=a.neighbour_seconds)
             finally:
                 self.down(servers, " + neighbour")
 

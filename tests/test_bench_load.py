@@ -148,3 +148,25 @@ def test_quick_regret_section_end_to_end(tmp_path):
     assert regret["target"].startswith("(e) regret") and regret["rounds"] == 2
     assert regret["verdict"] == "unresolved"  # 2 rounds judge nothing
     assert regret["estimate"] > 0 and regret["null"]["estimate"] > 0
+
+
+def test_the_neighbour_null_check_is_the_best_fixed_counts_twin_where_the_run_has_one():
+    """Beside the neighbour fixed 1 is best at 16 clients and fixed 2 at 1: each ratio is
+    judged beside the twin of the count it divides by; a run without twins falls back to
+    fixed 1 again / fixed 1, and says which it used."""
+    def runs(rps: list[float]) -> list[dict]:
+        return [{"rps": v} for v in rps]
+    level = "closed 1 + neighbour"
+    swing = [40 * (0.8 if i % 2 else 1.2) for i in range(8)]
+    rounds = {"fixed 1": {level: runs([30] * 8)}, "fixed 2": {level: runs([40] * 8)},
+              "fixed 1 again": {level: runs([30] * 8)}, "fixed 2 again": {level: runs(swing)},
+              "mode 2": {level: runs([44] * 8)}}
+    row = load_targets.rps_target({"rounds": rounds}, "(d) neighbour", level, "> 1.00")
+    assert "best fixed (fixed 2)" in row["target"]
+    assert "null check fixed 2 again / fixed 2" in row["target"]
+    assert row["null"]["lo"] == pytest.approx(0.8) and row["null"]["hi"] == pytest.approx(1.2)
+    assert row["estimate"] == pytest.approx(1.1) and row["verdict"] == "met"
+    del rounds["fixed 2 again"]
+    row = load_targets.rps_target({"rounds": rounds}, "(d) neighbour", level, "> 1.00")
+    assert "null check fixed 1 again / fixed 1" in row["target"]
+    assert row["null"]["estimate"] == pytest.approx(1.0)
