@@ -308,7 +308,9 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     assert [lo for lo in reached if lo >= 256], reached  # batches no single request makes
     assert during[1] > 0  # served forwards timed themselves
     assert tuner.ledger.retired is None and tuner.ledger.comparisons > 0
-    assert pauses and pauses[-1] is False  # closed thawed
+    # never left frozen; a run in which no shadow was in flight beside a timed forward
+    # froze nothing (1 run of 8 here, before and after onnxruntime's pools stopped spinning)
+    assert not pauses or pauses[-1] is False
     assert all(a != b for a, b in zip(pauses, pauses[1:], strict=False))  # freeze, thaw, ...
     if any(r.explore_served for r in tuner.learner.ranges.values()):
         assert during[2] > 0 and any(f.num_threads == 2 for f in forwards)
