@@ -4,6 +4,8 @@ measurement would cost a served forward."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -310,3 +312,28 @@ def test_a_served_sample_beside_held_cores_is_the_counts_time_with_its_cores_fre
     assert learner.explore_served(64, r, 1, reading.now) == 1
     held(0.0)
     assert learner.explore_served(64, r, 1, reading.now) == 2  # the cores free: it is timed
+
+
+def test_what_the_free_cores_reading_cannot_resolve_reads_as_nothing_held():
+    """``/proc`` counts in ticks: over a 0.1-s window on 2 CPUs rounding alone moved the
+    free cores by about 0.1 (sd), so a 2-thread worker with nothing else running read 1.89
+    or fewer a tenth of the time and served 1 thread for it. Under twice the reading's
+    resolution other tasks read as holding nothing (load factor 1 at 2 threads); a
+    neighbour holding a core still reads as most of one (2x at 2 threads)."""
+    reading = _Window()
+    resolution = math.sqrt(8 / 6) / 100  # FreeCpus on 2 CPUs, two processes: 8 counters
+
+    def over(cores: float, rounding_s: float | None) -> float:
+        free = FreeCores(reading, 0.1, (lambda: rounding_s) if rounding_s is not None
+                         else None)
+        reading.cores = cores
+        free.at(reading.now)
+        reading.advance(0.11)
+        return free.at(reading.now)
+
+    assert load_factor(2, over(1.89, None)) == pytest.approx(1.22)  # unresolved: followed
+    assert load_factor(2, over(1.89, resolution)) == 1.0
+    assert over(2.0, resolution) == pytest.approx(2.0 + 0.2 * math.sqrt(8 / 6) / 1.1)
+    assert load_factor(2, over(1.0, resolution)) == pytest.approx(2.0)
+    assert load_factor(1, over(1.0, resolution)) == 1.0
+

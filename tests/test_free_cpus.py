@@ -180,3 +180,17 @@ def test_a_sibling_on_the_core_ledger_is_no_neighbour(tmp_path):
     # what the core ledger leaves other tasks (``held``): a sibling holds none of it
     assert held_pooled <= 0.3 and held_alone >= 0.7, (held_pooled, held_alone)
     assert share.sibling_pids() == ()  # closed: no ledger to read
+
+
+def test_the_free_cpus_resolution_counts_each_rounded_counter_it_sums():
+    """Each CPU's idle and iowait, each process's user and system time: a tick each, rounded
+    at both readings (variance 1/6 tick squared per counter)."""
+    cpus = os.sched_getaffinity(0)
+    free = FreeCpus(cpus=cpus)
+    free.close()
+    assert free.resolution_s() == 0.0  # one reading: no difference yet
+    free.sample()
+    counters = 6 * (free.resolution_s() * os.sysconf("SC_CLK_TCK")) ** 2
+    # this process, and any idle-class or niced one the host runs now (each yields to it)
+    assert counters >= 2 * len(cpus) + 2 - 1e-6
+    assert counters == pytest.approx(round(counters / 2) * 2)

@@ -78,7 +78,8 @@ class AdaptiveThreads(ShadowSteps):
                  worker: str | None = None,
                  pause_shadows: Callable[[bool], bool] | None = None,
                  free_cpu_s: Callable[[], tuple[float, float] | None] | None = None,
-                 paid_forward: Forward | None = None) -> None:
+                 paid_forward: Forward | None = None,
+                 free_cpu_resolution_s: Callable[[], float] | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.clock = clock
         now = self.now  # the parts read the tuner's clock, whatever it is set to later
@@ -87,7 +88,8 @@ class AdaptiveThreads(ShadowSteps):
         self.lock = threading.Condition()  # bookkeeping only: never held across a forward
         self.sync = RecordSync(record, scope, now)
         self.ledger = ExactnessLedger(mode, configured, s.learning.window)
-        self.free_cores = FreeCores(free_cpu_s, s.contention.free_window_s)
+        self.free_cores = FreeCores(free_cpu_s, s.contention.free_window_s,
+                                     free_cpu_resolution_s)
         self.tally = Tally()  # what timed and checked what, for the report
         self.learner = Learner(mode, configured, self.counts, s, self.ledger, self.sync,
                                self.free_cores, self.tally, worker or f"pid {os.getpid()}")

@@ -50,6 +50,7 @@ processes spent outside the mask, and yielding threads of processes that are not
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -94,6 +95,7 @@ class FreeCpus:
         self._pool_ticks = 0.0  # the pool's free ticks so far (this worker's and siblings')
         self._pool_mark: tuple[float, float] | None = None  # (when, pool ticks): a window
         self._held: tuple[float, float] | None = None  # (when, cores other tasks held)
+        self._resolution_s = 0.0  # see ``resolution_s``
         self._stop = threading.Event()
         self.scan()
         self._latest = self.sample()
@@ -107,6 +109,14 @@ class FreeCpus:
         if unreadable. Reads no file: what the served path calls."""
         self._asked_at = time.monotonic()
         return self._latest
+
+    def resolution_s(self) -> float:
+        """The standard deviation, in seconds, that rounding puts in the difference between
+        two readings: each source's time is counted in whole ticks (``SC_CLK_TCK``), so a
+        difference of one source's count is off by the difference of two roundings, up to a
+        tick either way (variance 1/6 tick squared), and a reading sums that of each counter
+        (each CPU's idle and iowait, each process's user and system time)."""
+        return self._resolution_s
 
     def held(self) -> float | None:
         """The cores other tasks held over the last whole window of at least ``window_s``
@@ -157,6 +167,9 @@ class FreeCpus:
             return None
         if self._last is not None:
             free, siblings = sum(grown(got[0], self._last[0])), grown(got[1], self._last[1])
+            counters = 2 * self._cpus + 2 * (len(grown(got[0], self._last[0])) - 1) \
+                + 2 * len(siblings)  # idle and iowait per CPU; user and system per process
+            self._resolution_s = math.sqrt(counters / 6) / self._tick
             self._shared_ticks += share_of_pool(free, siblings)
             self._pool_ticks += free + sum(siblings)
         self._last = got

@@ -125,6 +125,7 @@ class Worker:
                                 shadow_forward=shadows.forward, on_close=close,
                                 paid_forward=partial(shadows.forward, paid=True),
                                 pause_shadows=shadows.pause, free_cpu_s=free.latest,
+                                free_cpu_resolution_s=free.resolution_s,
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")
         tuner.sync.error = tuner.sync.error or error
