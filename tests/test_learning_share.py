@@ -98,6 +98,32 @@ def test_a_range_the_traffic_reached_once_learns_from_paid_shadows_of_that_batch
     assert paid.paid_s <= 0.02 * paid.served_s + paid.cap_s + SHADOW_S
 
 
+def test_in_mode_2_a_range_pays_for_its_learning_from_its_own_served_time(backend):
+    """R4.5 amended, mode 2 under back-to-back load: one batch of 64-127 tokens, then only
+    rows of 20. Range 16-31 pays for its window from its own forwards and serves 2 threads;
+    the rare range's bucket holds 2% of its one forward, under the cost of one shadow, so
+    none is paid for it (from one bucket for all, under steady load the share went on at 2%
+    of served time on such ranges long after the load's ranges had learned). Mode 1 pays for
+    it from the whole share (``test_a_range_the_traffic_reached_once...``)."""
+    tuner, at = back_to_back(backend, 0.02, 3000, first=row(100))
+    assert at is not None, tuner.learner.ranges
+    paid, rare = tuner.side.paid, tuner.learner.ranges[64]
+    assert paid.range_credit_s[64] == pytest.approx(0.02 * SERVED_S[1])  # never charged
+    assert rare.learned is None and not rare.samples.get(2)
+    assert paid.paid_s <= 0.02 * paid.served_s + paid.cap_s + SHADOW_S
+
+
+def test_a_ranges_own_bucket_bounds_what_it_may_be_paid_in_mode_2_only():
+    mode2, mode1 = PaidShare(0.02, cap_s=0.5, per_range=True), PaidShare(0.02, cap_s=0.5)
+    for share in (mode2, mode1):
+        share.accrue(10.0, 16)  # 0.2 s in the bucket, all from range 16
+        share.accrue(0.5, 64)  # 0.01 s from range 64
+    assert mode2.affords(0.2, 16) and not mode2.affords(0.05, 64)
+    assert mode1.affords(0.2, 64)  # one bucket for all
+    mode2.charge(0.2, 16)
+    assert mode2.range_credit_s[16] == pytest.approx(0.0) and not mode2.affords(0.01, 16)
+
+
 def test_the_paid_bucket_fills_at_the_share_caps_and_is_charged():
     share = PaidShare(0.02, cap_s=0.5)
     share.accrue(10.0)  # 0.2 s of credit

@@ -98,7 +98,8 @@ class AdaptiveThreads(ShadowSteps):
         shadow_forward = shadow_forward or forward
         # a shadow the learning share pays for: the shadow side at normal priority
         self.side = ShadowSide(s, self.lock, now, shadow_forward, paid_forward or shadow_forward,
-                               pause_shadows, IdleVerifier(self), on_close)
+                               pause_shadows, IdleVerifier(self), on_close,
+                               per_range=mode is AdaptiveMode.SERVE)
         self._load()
 
     def now(self) -> float:
@@ -262,7 +263,7 @@ class AdaptiveThreads(ShadowSteps):
             now = self.clock()
             wake = self.gate.served_ended(now, not self.flight.busy, result)
             if result is not None:
-                self.side.paid.accrue(result.forward_s)
+                self.side.paid.accrue(result.forward_s, size_range(batch.padded_tokens)[0])
             if timed.froze:
                 self.side.freezer.served_ended(lambda: self.gate.thaw_hold_s(
                     self.flight.shadow_gated and bool(self.flight.shadowing), self.clock()))

@@ -78,10 +78,11 @@ class JobBoard:
         else:
             self.starved_since.pop(lo, None)
 
-    def paid_due(self, now: float, affords: Callable[[float], bool]
+    def paid_due(self, now: float, affords: Callable[[float, int], bool]
                  ) -> tuple[int, ShadowJob, int] | None:
         """The first due shadow, ranges oldest first, whose range starved (``starved``), that
-        is payable (``payable``) and whose expected cost the share ``affords``. A batch
+        is payable (``payable``) and whose expected cost the share ``affords`` (from the
+        range's own bucket too). A batch
         backed off after overlapped idle-class shadows (``ShadowJob.retry_after``) may still
         be paid for: a paid shadow runs beside served forwards by design, and the share
         bounds what it costs."""
@@ -89,7 +90,8 @@ class JobBoard:
             if not self.starved(lo, now):
                 continue
             for count in job.counts:
-                if self.payable(lo, job, count) and affords(self.expected_s(lo, job, count)):
+                if self.payable(lo, job, count) and affords(self.expected_s(lo, job, count),
+                                                            lo):
                     return lo, job, count
         return None
 

@@ -32,7 +32,7 @@ class ShadowSide:
     def __init__(self, settings: TunerSettings, lock: threading.Condition,
                  clock: Callable[[], float], forward: Forward, paid_forward: Forward,
                  pause: Callable[[bool], bool] | None, verifier: IdleVerifier,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, per_range: bool = False) -> None:
         self.forward = forward  # a shadow in the idle class
         self.paid_forward = paid_forward  # ... one the learning share pays for
         self.on_close = on_close  # closes the shadow side (a ShadowProcess)
@@ -45,7 +45,8 @@ class ShadowSide:
         # fixed 2 at 16 connections)
         spend = settings.spending
         self.budget = ShadowBudget(spend.budget_fraction, spend.budget_window_s, clock())
-        self.paid = PaidShare(spend.learning_share)  # the paid learning share
+        # the paid learning share (mode 2: each range also from its own served time)
+        self.paid = PaidShare(spend.learning_share, per_range=per_range)
         self.wall_s = 0.0  # ... and what shadows took in wall time
         self.faults = 0  # shadow forwards that failed (a ShadowProcess restarts)
         self.error: str | None = None  # why, the last time
@@ -65,7 +66,7 @@ class ShadowSide:
         self.wall_s += wall
         waited = (result.waited_s or 0.0) / max(1, start.count)
         if start.paid:
-            self.paid.charge(max(0.0, wall - waited))
+            self.paid.charge(max(0.0, wall - waited), start.lo)
         else:
             frozen = self.freezer.frozen_total(now) - start.frozen_s
             self.budget.charge(wall - frozen - waited, now)
