@@ -202,7 +202,7 @@ def test_a_batch_whose_shadows_give_no_sample_is_tried_again_later_and_later():
     # share bounds its cost (a backed-off range went unpaid for up to the backoff)
     board = tuner.learner.board
     board.starved_since[lo] = now[0] - 10.0
-    paid = board.paid_due(now[0], lambda cost_s: True)
+    paid = board.paid_due(now[0], lambda cost_s, lo: True)
     assert paid is not None and paid[:2] == (lo, job) and paid[2] in job.counts
     now[0] = job.not_before + 10.0  # idle since: any gap fits
     assert due()
