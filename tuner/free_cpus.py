@@ -166,9 +166,10 @@ class FreeCpus:
         if got is None:
             return None
         if self._last is not None:
-            free, siblings = sum(grown(got[0], self._last[0])), grown(got[1], self._last[1])
-            counters = 2 * self._cpus + 2 * (len(grown(got[0], self._last[0])) - 1) \
-                + 2 * len(siblings)  # idle and iowait per CPU; user and system per process
+            sources, siblings = grown(got[0], self._last[0]), grown(got[1], self._last[1])
+            free = sum(sources)
+            # idle and iowait per CPU (one "idle" source); user and system per process
+            counters = 2 * self._cpus + 2 * (len(sources) - 1) + 2 * len(siblings)
             self._resolution_s = math.sqrt(counters / 6) / self._tick
             self._shared_ticks += share_of_pool(free, siblings)
             self._pool_ticks += free + sum(siblings)

@@ -81,11 +81,11 @@ class JobBoard:
     def paid_due(self, now: float, affords: Callable[[float, int], bool]
                  ) -> tuple[int, ShadowJob, int] | None:
         """The first due shadow, ranges oldest first, whose range starved (``starved``), that
-        is payable (``payable``) and whose expected cost the share ``affords`` (from the
-        range's own bucket too). A batch
-        backed off after overlapped idle-class shadows (``ShadowJob.retry_after``) may still
-        be paid for: a paid shadow runs beside served forwards by design, and the share
-        bounds what it costs."""
+        is payable (``payable``) and whose expected cost the share ``affords`` (given the
+        range: in mode 2 its own bucket must hold it too). A batch backed off after
+        overlapped idle-class shadows (``ShadowJob.retry_after``) may still be paid for: a
+        paid shadow runs beside served forwards by design, and the share bounds what it
+        costs."""
         for lo, job in self.jobs.items():
             if not self.starved(lo, now):
                 continue
