@@ -130,3 +130,38 @@ def test_shadow_plan():
     probes = [shadow_plan([], False, 4, 4, (1, 2, 4), i, 8) for i in (8, 16, 24)]
     assert probes == [[2], [1], [2]]
     assert shadow_plan([], False, 1, 1, (1,), 8, 8) == []
+
+
+def test_a_serving_ranges_audit_waits_for_a_gap_however_long_the_load_lasts():
+    """An audit of a range serving its learned count is evidence beside the voucher and the
+    window, not work that must complete (R4.5 amended: the share pays for timing and the
+    window only): under back-to-back served forwards no audit starts, however long they
+    last; once the worker is idle it starts in the gap, sharing the served cores. It ran
+    every 2 s whatever the load before, beside served forwards on 2 cores (0.982x fixed 2
+    with it, 0.992x without, 16 connections, one run each)."""
+    import numpy as np
+
+    from vllm_srun.runtime.engine import pad
+    from vllm_srun.runtime.types import ForwardResult
+    from vllm_srun.tuner.ranges import Phase, RangeLearning
+    from vllm_srun.tuner.scheduling import ShadowGate, ShadowJob
+    from vllm_srun.tuner.settings import TunerSettings
+
+    now = [0.0]
+    gate = ShadowGate(TunerSettings(), configured=1, top=2, clock=lambda: now[0])
+    ranges = {64: RangeLearning(phase=Phase.SERVING, learned=2)}
+    batch, out = pad([[1] * 100]), np.zeros((1, 4), np.float32)
+    job = ShadowJob(batch, out, served_threads=2, counts=[1], served_s=0.03)
+    starts = []
+    for _ in range(400):  # 12 s of 30-ms forwards at 2 threads, 1 ms apart
+        gate.served_started(now[0], first=True)
+        now[0] += 0.03
+        gate.served_ended(now[0], True, ForwardResult(out, 2, 2, 0.03))
+        now[0] += 0.001
+        if gate.next_shadow(now[0], {64: job}, ranges, AdaptiveMode.SERVE) is not None:
+            starts.append(now[0])
+    # (in the load's first forwards the busy window has not filled yet)
+    assert [t for t in starts if t > TunerSettings().gaps.busy_window_s] == []
+    now[0] += 1.5  # the load ends: idle for longer than the busy window
+    due = gate.next_shadow(now[0], {64: job}, ranges, AdaptiveMode.SERVE)
+    assert due is not None and due[2] == 1 and due[3] is True  # in the gap, on shared cores

@@ -91,9 +91,10 @@ class Gaps:
     # backoff after every held-up one: 47)
     held_hog: float = 0.5
     held_backoff_max_s: float = 8.0
-    audit_floor_s: float = 2.0  # mode 2: a served learned count is audited at least this often
-    busy_max: float = 0.3  # ... and only while served forwards took at most this share of
-    busy_window_s: float = 1.0  # the last this many seconds
+    # a shadow that waits for a gap starts only while served forwards took at most this
+    # share of the last ``busy_window_s`` seconds
+    busy_max: float = 0.3
+    busy_window_s: float = 1.0
     thaw_hold_s: float = 0.005  # a frozen shadow side stays so this long at most after a
     # served forward ends (twice the recent idle gaps): back-to-back forwards, one freeze
 
