@@ -194,3 +194,16 @@ def test_the_free_cpus_resolution_counts_each_rounded_counter_it_sums():
     # this process, and any idle-class or niced one the host runs now (each yields to it)
     assert counters >= 2 * len(cpus) + 2 - 1e-6
     assert counters == pytest.approx(round(counters / 2) * 2)
+
+
+def test_what_the_held_reading_cannot_resolve_reads_as_nothing_held():
+    """The core ledger's reading of the cores other tasks hold (R4.12) follows the rounding
+    as the worker's own does: under twice its standard deviation, nothing is held. 64 CPUs,
+    160 rounded counters over 0.1 s: sd 0.52 core; a pool that read 63.2 free cores holds
+    nothing, one that read 62 holds 2 less 1.03 cores."""
+    from vllm_srun.tuner.free_cpus import held_cores
+
+    sd = (160 / 6) ** 0.5 / 100 / 0.1  # ticks of 10 ms over a 0.1-s window, in cores
+    assert held_cores(64, 63.2, sd) == 0.0
+    assert held_cores(64, 62.0, sd) == pytest.approx(2.0 - 2 * sd)
+    assert held_cores(2, 1.0, 0.0) == 1.0  # an exact reading: the deficit itself

@@ -184,8 +184,9 @@ class FreeCpus:
         if mark is not None and now - mark[0] < self._window_s:
             return
         if mark is not None:
-            pool = (self._pool_ticks - mark[1]) / self._tick / (now - mark[0])
-            self._held = (now, max(0.0, self._cpus - pool))
+            span = now - mark[0]
+            pool = (self._pool_ticks - mark[1]) / self._tick / span
+            self._held = (now, held_cores(self._cpus, pool, self._resolution_s / span))
         self._pool_mark = (now, self._pool_ticks)
 
     def scan(self) -> None:
@@ -214,6 +215,18 @@ class FreeCpus:
                 scanned = now
             if now - self._asked_at <= rest_s:
                 self._latest = self.sample()
+
+
+def held_cores(cpus: int, pool: float, resolution: float) -> float:
+    """The cores other tasks held over a window: the ``cpus`` less the ``pool``'s free cores
+    over it, less twice the standard deviation that rounding puts in that reading
+    (``resolution``, in cores over the window): what the reading cannot resolve reads as
+    nothing held, as for the worker's own reading (``contention.FreeCores``). Over 0.1 s on
+    2 CPUs that is 0.23 core, under the core ledger's half-core slack; on 64 CPUs with 8
+    workers and their shadow processes (160 rounded counters) about 1 core, and with the
+    slack alone the ledger would take a thread off the pool in about one window in six with
+    nothing else running (computed from the rounding, not measured on such a host)."""
+    return max(0.0, cpus - pool - 2 * resolution)
 
 
 def grown(now: dict, before: dict) -> list[int]:
