@@ -222,8 +222,9 @@ class ShadowGate:
         that waited for CPUs other tasks held, once its backoff has passed. Under load that
         leaves no such gap, those audits wait: an audit is evidence beside the voucher and
         the window, and one every 2 s, run beside back-to-back served forwards whatever the
-        load, cost them about a point of throughput (16 connections, 2 cores: 0.982x fixed
-        2 with it, 0.992x without, one run each). The other comparisons (the
+        load, cost them about a point of throughput (16 connections, 2 cores, paired: 0.963x
+        fixed 2 with it, 0.973x without, one run; the steady bench after, 10 rounds: 0.976x,
+        interval 0.972-0.986). The other comparisons (the
         window, audits of what a range served while it explored, a count that fits beside
         the count served) always run, unfrozen beside served forwards that are not timed;
         in a quiet gap, one that needs the gap goes first (mode 1 on 2 cores: a 15-ms
