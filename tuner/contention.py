@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from vllm_srun.tuner.free_cpus import UNRESOLVED_SDS
+
 FreeCpuReading = Callable[[], "tuple[float, float] | None"]
 
 # a reading over this many windows old says nothing of now (the reader rests while no forward
@@ -71,6 +73,6 @@ class FreeCores:
             self.window = None
             return None
         span = got[0] - mark[0]
-        noise = 2 * self.resolution_s() if self.resolution_s is not None else 0.0
+        noise = UNRESOLVED_SDS * self.resolution_s() if self.resolution_s is not None else 0.0
         self.window = ((got[1] - mark[1] + noise) / span, mark[0])
         return self.window[0]

@@ -63,6 +63,10 @@ CPU_TIME_FIELDS = slice(11, 13)  # utime, stime
 NICE_FIELD, POLICY_FIELD = 16, 38
 SCHED_IDLE = 5
 YIELDING_NICE = 15
+# what other tasks use under this many standard deviations of the reading's rounding
+# (``FreeCpus.resolution_s``) reads as nothing: two, the usual bar for "more than noise";
+# the worker's reading (``contention.FreeCores``) and the core ledger's (``held_cores``)
+UNRESOLVED_SDS = 2
 
 
 class FreeCpus:
@@ -226,7 +230,7 @@ def held_cores(cpus: int, pool: float, resolution: float) -> float:
     workers and their shadow processes (160 rounded counters) about 1 core, and with the
     slack alone the ledger would take a thread off the pool in about one window in six with
     nothing else running (computed from the rounding, not measured on such a host)."""
-    return max(0.0, cpus - pool - 2 * resolution)
+    return max(0.0, cpus - pool - UNRESOLVED_SDS * resolution)
 
 
 def grown(now: dict, before: dict) -> list[int]:
