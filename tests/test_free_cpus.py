@@ -106,8 +106,13 @@ def test_a_process_that_yields_to_the_worker_counts_as_free(how):
     quiet = FreeCpus()  # the shared host's own load, side by side (a suite's last test
     quiet.close()  # still tearing down took a third of a core once)
     alone = cores_free(quiet)
-    child = subprocess.Popen([sys.executable, "-c", YIELDING[how] + "\nwhile True: pass"])
+    # it says when it yields: its interpreter's start-up burns CPU time before then, so
+    # "its CPU time grows" alone let a scan run first and find it still at normal priority
+    child = subprocess.Popen(
+        [sys.executable, "-c", YIELDING[how] + "\nprint('yielding', flush=True)"
+         "\nwhile True: pass"], stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline().strip() == "yielding"
         wait_until(lambda: spinning(child), 10, "the child to spin")
         free = FreeCpus()  # scans once at once, then every scan_s
         free.close()
