@@ -3,6 +3,8 @@ with the targets of the adaptive-threads work judged on intervals at the end (SP
 
     python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--rounds 10]
                                   [--learn-seconds 60] [--max-num-batched-tokens 512]
+                                  [--backend onnxruntime|torch]
+                                  [--dtype float32|bfloat16|int8]
                                   [--only levels oracle neighbour phases steady regret]
                                   [--steady-seconds 60] [--steady-settle-seconds 120]
                                   [--window-seconds 2]
@@ -13,10 +15,10 @@ with the targets of the adaptive-threads work judged on intervals at the end (SP
                                   [--voucher PATH] [--out bench/results/adaptive_load.json]
 
 Servers (``vllm-srun serve``, all with ``--max-num-seqs 32`` and the same
-``--max-num-batched-tokens``): fixed 1 thread (the default on this 2-core host: learning
-off), fixed 2 threads, mode 1 and mode 2 (``VLLM_SRUN_CPU_ADAPTIVE_THREADS``; counts 1 and 2
-on this host), and ``fixed 1 again``, a second fixed 1: the null check, in every section
-but ``steady`` (there ``fixed 2 again``, below).
+``--max-num-batched-tokens``, ``--backend`` and ``--dtype``): fixed 1 thread (the default
+on this 2-core host: learning off), fixed 2 threads, mode 1 and mode 2
+(``VLLM_SRUN_CPU_ADAPTIVE_THREADS``; counts 1 and 2 on this host), and ``fixed 1 again``,
+a second fixed 1: the null check, in every section but ``steady`` (there ``fixed 2 again``, below).
 Each adaptive server gets a fresh host record with nothing learned in it (mode 2's is a copy
 of one record that ``threads verify`` vouched for over exactly those batch limits: the sweep
 takes minutes and writes only the voucher, so it runs once; ``--no-verify``, and ``--quick``,
@@ -186,6 +188,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=10, help="paired rounds per level")
     p.add_argument("--learn-seconds", type=float, default=60, help="learning phase, in all")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--backend", choices=("onnxruntime", "torch"), default=None,
+                   help="every server's and the voucher sweep's CPU backend (default: serve's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "int8"), default=None,
+                   help="every server's and the voucher sweep's precision (default: serve's)")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--steady-seconds", type=float, default=60, help="per server and round")
     p.add_argument("--steady-settle-seconds", type=float, default=120,
@@ -242,8 +248,11 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        # every server and the voucher sweep: the same batch limits, backend and precision
         self.limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
-                       str(args.max_num_batched_tokens)]
+                       str(args.max_num_batched_tokens),
+                       *(["--backend", args.backend] if args.backend else []),
+                       *(["--dtype", args.dtype] if args.dtype else [])]
         self.tmp = Path(tempfile.mkdtemp(prefix="adaptive-load-"))
         self.mixed = self.script("mixed")
         self.per_class = {c: self.script(c, mix=((c, 1.0, w),)) for c, _, w in MIX}

@@ -114,6 +114,24 @@ def test_learning_included_weighs_each_window_by_its_length():
     assert adaptive_learning.windows_rps({"windows": [{"rps": 1.0}, {"rps": 3.0}]}) == 2.0
 
 
+def test_where_the_best_count_moves_mode_2_is_judged_against_the_best_fixed_count_per_level():
+    """The moving-best target: at 1 client 1 thread wins, at 16 clients 2 threads; mode 2 must
+    beat whichever is best at each level (interval above 1.0), beside that count's twin."""
+    rps = {"closed 1": {"fixed 1": 100, "fixed 2": 80, "mode 2": 110},
+           "closed 16": {"fixed 1": 120, "fixed 2": 150, "mode 2": 148}}
+    rounds = {n: {lvl: [{"rps": by[n] * (1 + 0.01 * (i % 3))} for i in range(8)]
+                  for lvl, by in rps.items()} for n in ("fixed 1", "fixed 2", "mode 2")}
+    rounds["fixed 1 again"] = {"closed 1": [{"rps": 100}] * 8}  # the twin of each level's best
+    rounds["fixed 2 again"] = {"closed 16": [{"rps": 150}] * 8}
+    rows = {r["target"].split(",")[1].split(";")[0].strip() + r["target"][:3]: r
+            for r in load_targets.targets({"rounds": rounds}, {})}
+    one, sixteen = rows["closed 1(m)"], rows["closed 16(m)"]
+    assert "best fixed (fixed 1)" in one["target"] and one["verdict"] == "met"
+    assert "null check fixed 1 again / fixed 1" in one["target"]
+    assert "best fixed (fixed 2)" in sixteen["target"] and sixteen["verdict"] == "missed"
+    assert rows["closed 16(a)"]["verdict"] == "met"  # keeping up is the other target
+
+
 def test_p99_target_pools_the_open_loop_requests_of_every_round():
     raw = {"fixed 1": {"poisson 60%": [[10.0] * 99 + [50.0]] * 6},
            "mode 1": {"poisson 60%": [[10.0] * 99 + [60.0]] * 6},
