@@ -3,7 +3,7 @@ with the targets of the adaptive-threads work judged on intervals at the end (SP
 
     python -m bench.adaptive_load [--model all-MiniLM-L6-v2] [--seconds 12] [--rounds 10]
                                   [--learn-seconds 60] [--max-num-batched-tokens 512]
-                                  [--backend onnxruntime|torch]
+                                  [--poisson 0.3,0.6,0.9] [--backend onnxruntime|torch]
                                   [--dtype float32|bfloat16|int8]
                                   [--only levels oracle neighbour phases steady regret]
                                   [--steady-seconds 60] [--steady-settle-seconds 120]
@@ -181,6 +181,18 @@ def md(head: list[str], rows: list[list]) -> str:
 
 
 
+def shares(text: str) -> tuple[float, ...]:
+    """``--poisson``: shares of capacity, each in (0, 2]."""
+    try:
+        got = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of numbers: {text!r}") from None
+    if not all(0 < x <= 2 for x in got):
+        raise argparse.ArgumentTypeError(f"each share must be in (0, 2]: {text!r}")
+    return got
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="all-MiniLM-L6-v2")
@@ -193,6 +205,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "int8"), default=None,
                    help="every server's and the voucher sweep's precision (default: serve's)")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--poisson", type=shares, default=POISSON,
+                   help="levels: the open-loop loads, as shares of capacity (comma-separated; "
+                        "'' for none: the closed-loop levels only)")
     p.add_argument("--steady-seconds", type=float, default=60, help="per server and round")
     p.add_argument("--steady-settle-seconds", type=float, default=120,
                    help="steady: load mode 2 serves before it is measured (0: none)")
@@ -408,7 +423,7 @@ class Bench:
                 out["levels_order"] += ["closed 1", "closed 16"]
                 capacity = out["levels"].get("fixed 1", {}).get("closed 16", {}).get("rps")
                 out["capacity_rps"] = capacity if capacity and math.isfinite(capacity) else None
-                for share in POISSON if out["capacity_rps"] else ():
+                for share in self.args.poisson if out["capacity_rps"] else ():
                     level = f"poisson {share:.0%}"
                     self.interleaved(servers, level, out["levels"],
                                      rate=share * out["capacity_rps"])
