@@ -33,6 +33,7 @@ from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import preempted
+from vllm_srun.tuner.report import build, from_tuner
 from vllm_srun.tuner.shadows import ShadowProcess
 from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
@@ -315,6 +316,51 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     if any(r.explore_served for r in tuner.learner.ranges.values()):
         assert during[2] > 0 and any(f.num_threads == 2 for f in forwards)
     assert not os.path.exists(f"/proc/{shadows.process.pid}/task")  # closed: gone
+
+
+def test_mode2_without_a_sweep_verifies_the_shapes_it_serves_from_the_share_under_load(
+        tmp_path):
+    """R4.8, R4.5 amended: a mode-2 worker with no voucher, kept busy by 16 clients (no idle
+    time to verify shapes in), verifies the shapes it serves most, paid from the learning
+    share: each one's answers at 1 and 2 threads compared bit for bit and recorded one by
+    one, the share's bound kept. Without, such a worker served the configured count for
+    every shape its shadows had not happened to compare."""
+    manifest = resolve(L3)
+    backend = load_backend(manifest, "onnxruntime")
+    record = HostRecord(tmp_path / "r.sqlite")
+    scope = Scope("test-host", manifest.revision, "onnxruntime")
+    runner, tuner, _ = shadowed_runner(
+        manifest, backend, AdaptiveMode.SERVE, scope, record, TunerSettings.of(),
+        EngineArgs(num_threads=1, max_num_seqs=4, max_num_batched_tokens=160, cache_entries=0))
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        rng = np.random.default_rng(i)
+        while not stop.is_set():
+            runner.engine.submit([row(int(rng.choice([24, 40])), int(rng.integers(1e9)))]) \
+                .result(timeout=60)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    try:
+        for c in clients:
+            c.start()
+        wait_until(lambda: tuner.side.verifier.verified_paid >= 2, 90,
+                   "shapes verified from the share")
+        stop.set()
+        for c in clients:
+            c.join(60)
+        tuner.flush()
+        paid, learning = tuner.side.paid, build(from_tuner(tuner))["learning"]
+    finally:
+        stop.set()
+        runner.stop()
+    verified = record.voucher(scope).verified
+    assert learning["shapes_verified_paid"] >= 2 and len(verified) >= 2, verified
+    assert all(c == 1 and n == 2 for _, _, n, c in verified)  # 2 threads against 1
+    assert tuner.ledger.retired is None and record.voucher(scope).clean
+    # the share's bound: 2% of served forward time, the bucket's cap, one overrun
+    assert paid.paid_s <= paid.share * paid.served_s + paid.cap_s + 0.5, (paid.paid_s,
+                                                                          paid.served_s)
 
 
 def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(tmp_path):

@@ -107,6 +107,8 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            # was started again), each retried after a backoff
                            "shadow_faults": t.side.faults,
                            "shapes_verified_in_idle_time": t.side.verifier.verified,
+                           # ... and, where no idle time came, paid from the learning share
+                           "shapes_verified_paid": t.side.verifier.verified_paid,
                            "shadow_wall_seconds": round(t.side.wall_s, 3),
                            "shadow_budget_seconds": round(t.shadow_budget_s(), 3),
                            # R4.5 amended: shadows run at normal priority beside served
