@@ -46,6 +46,7 @@ class IdleVerifier:
         self.tuner = tuner  # an ``AdaptiveThreads``: its gate, board, budget, freezer, sync
         self.longest = 0  # the longest padded length served
         self.seen: Counter[Shape] = Counter()  # unverified shapes served, how often
+        self.served_s: dict[Shape, float] = {}  # ... and how long the last one took
         self.ranges: set[int] = set()  # size ranges traffic reached
         self._rng = np.random.default_rng(seed)
         # (rows, length, count) it verified since the tuner last read the voucher back (a
@@ -57,7 +58,7 @@ class IdleVerifier:
         self._progress_at = tuner.clock()  # when it last verified a shape (or began)
         self.runs = 0  # shapes it ran (verified, or cut into and run again later)
 
-    def note(self, batch: TokenBatch) -> None:
+    def note(self, batch: TokenBatch, forward_s: float) -> None:
         """A served forward ended (the tuner's lock held): remember its shape if a count
         other than the configured one is not vouched for it."""
         t = self.tuner
@@ -69,6 +70,7 @@ class IdleVerifier:
         if (len(self.seen) < MAX_NOTED or (rows, length) in self.seen) \
                 and self._todo((rows, length)):
             self.seen[(rows, length)] += 1
+            self.served_s[(rows, length)] = forward_s
 
     def pending(self) -> bool:
         t = self.tuner
@@ -92,6 +94,7 @@ class IdleVerifier:
                     return shape, todo
                 continue
             del self.seen[shape]  # verified meanwhile (most_common made a list)
+            self.served_s.pop(shape, None)
         if fits is not None:
             return None
         for lo in sorted(self.ranges):
@@ -118,12 +121,18 @@ class IdleVerifier:
 
     def _cost_s(self, shape: Shape, counts: list[int]) -> float | None:
         """What verifying ``shape`` at ``counts`` is expected to take: the reference at the
-        configured count and each count, none taken as faster than it, at the typical time of
-        its range's forwards at the configured count (None: none timed yet)."""
+        configured count and each count, none taken as faster than it, each as long as the
+        last served forward of that shape (at the configured count: it was not verified),
+        else the typical time of its range's at the configured count (None: neither known;
+        a range's samples alone left it unknown where other tasks held cores, since such
+        forwards are no samples)."""
         t = self.tuner
-        known = t.learner.ranges.get(size_range(shape[0] * shape[1])[0])
-        ms = known.samples.get(t.configured) if known is not None else None
-        return typical(ms) / 1000 * (1 + len(counts)) if ms else None
+        one = self.served_s.get(shape)
+        if one is None:
+            known = t.learner.ranges.get(size_range(shape[0] * shape[1])[0])
+            ms = known.samples.get(t.configured) if known is not None else None
+            one = typical(ms) / 1000 if ms else None
+        return None if one is None else one * (1 + len(counts))
 
     def _affords(self, shape: Shape, counts: list[int]) -> bool:
         cost_s = self._cost_s(shape, counts)
@@ -220,6 +229,7 @@ class IdleVerifier:
         t.ledger.voucher = replace(voucher, shape_mismatches=voucher.shape_mismatches + 1)
         t.learner.settle_all()
         self.seen.clear()
+        self.served_s.clear()
         self.ranges.clear()
         log.warning("threads_idle_verify_mismatch rows=%d padded_length=%d threads=%d "
                     "configured=%d", rows, length, n, t.configured)
