@@ -153,10 +153,10 @@ class IdleVerifier:
         """Verify one shape now: in idle time, if the tuner lets a core-sharing shadow start;
         else, where no idle time came for ``starved_s``, paid from the learning share (R4.5
         amended). Under 16 connections on 2 vCPUs a worker without a sweep verified no shape
-        in idle time; with comparisons alone it had 27 verified after 3 minutes, the share
-        0.4% spent, and ran 240 forwards per 10 s at the configured count for want of one;
-        paid, 62 (36 paid), the share 1.9%, and 130 per 10 s (one run each). False when
-        neither may (the shadow loop waits as it does for shadows)."""
+        in idle time; with comparisons alone it had 26 verified after 3 minutes, the share
+        0.5% spent, and ran 19 forwards a second at the configured count for want of one;
+        paid, 65 (38 paid), the share 2.0%, and 16 a second (``bench.mode2_coverage``, one
+        run each). False when neither may (the shadow loop waits as it does for shadows)."""
         t = self.tuner
         with t.lock:
             now = t.clock()
