@@ -141,9 +141,9 @@ class IdleVerifier:
 
     def _paid(self, now: float) -> tuple[Shape, list[int]] | None:
         """No idle time let a shape be verified for ``starved_s``, so the learning share pays
-        for the most served unverified shape whose cost it affords (mode 2: its range's own
-        bucket too; the cost known from the range's forwards at the configured count),
-        where no timed served forward holds the shadow side frozen."""
+        for the most served unverified shape whose cost it affords (``_cost_s``; mode 2: its
+        range's own bucket too), where no timed served forward holds the shadow side
+        frozen."""
         t = self.tuner
         if now - self._progress_at < t.settings.spending.starved_s or t.side.freezer.running:
             return None
