@@ -11,11 +11,14 @@ yet verified for it, and compares the bits: the evidence a sweep has for one sha
 the shape is verified (written with the tuner's next flush, read back as part of the
 voucher). Different: as for a sweep, a shape that differed is recorded and nothing vouches
 until a reset (mode 2 acts as mode 1); no served answer differed, so it is not a drift.
-It starts only where a shadow sharing the served forwards' cores may
+It starts where a shadow sharing the served forwards' cores may
 (``scheduling.ShadowGate.may_share``: idle long enough, the recent gaps say the next forward
 will not cut in; the shadow budget not spent, no due shadow waiting); served forwards freeze
-it as they freeze such shadows. It decides nothing about what is served: what it verified
-reaches the voucher, which ``ExactnessLedger.may_serve`` reads (``Voucher.covers``).
+it as they freeze such shadows. Where no such idle time let a shape be verified for
+``starved_s``, the learning share pays for the most served one it affords, at normal
+priority and unfrozen, as for a paid shadow (``step``). It decides nothing about what is
+served: what it verified reaches the voucher, which ``ExactnessLedger.may_serve`` reads
+(``Voucher.covers``).
 """
 
 from __future__ import annotations
