@@ -65,10 +65,13 @@ def main(argv: list[str] | None = None) -> int:
                 rep = mode2.threads()
                 learning, voucher = rep.get("learning", {}), rep.get("voucher") or {}
                 w = {"t_s": round(time.monotonic() - t0, 1), "rps": rps,
+                     "forwards": learning.get("forwards_served"),
                      "uncovered_forwards": rep.get("uncovered_forwards"),
                      "shapes_verified": sum((voucher.get("shapes_verified") or {}).values()),
                      "shapes_verified_paid": learning.get("shapes_verified_paid"),
                      "shapes_verified_in_idle_time": learning.get("shapes_verified_in_idle_time"),
+                     "shapes_verified_against_served_answers": learning.get(
+                         "shapes_verified_against_served_answers"),
                      "paid_share_of_served": learning.get("paid_share_of_served"),
                      "ranges_serving_learned": sum(r.get("state") == "serving-learned"
                                                    for r in rep.get("ranges", []))}
@@ -79,8 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     fixed_rps = statistics.median(out["fixed_2"])
     last = [w for w in out["mode_2"] if w["t_s"] > a.seconds - 60]
     prev = out["mode_2"][-len(last) - 1] if len(out["mode_2"]) > len(last) else None
+    span = (last[-1]["forwards"] - prev["forwards"]) if prev and prev.get("forwards") is not None \
+        else None
     out["summary"] = {
         "fixed_2_median_rps": fixed_rps,
+        # of the forwards served in the last minute, those kept at the configured count
+        # for want of a verified shape (their range had learned another count)
+        "uncovered_share_last_minute": (last[-1]["uncovered_forwards"]
+                                        - prev["uncovered_forwards"]) / span if span else None,
         "mode_2_last_minute_over_fixed_2": statistics.fmean(w["rps"] for w in last) / fixed_rps,
         "uncovered_per_s_last_minute": (last[-1]["uncovered_forwards"]
                                         - prev["uncovered_forwards"])

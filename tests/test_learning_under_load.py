@@ -323,8 +323,9 @@ def test_mode2_without_a_sweep_verifies_the_shapes_it_serves_from_the_share_unde
     """R4.8, R4.5 amended: a mode-2 worker with no voucher, kept busy by 16 clients (no idle
     time to verify shapes in), verifies the shapes it serves most, paid from the learning
     share: each one's answers at 1 and 2 threads compared bit for bit and recorded one by
-    one, the share's bound kept. Without, such a worker served the configured count for
-    every shape its shadows had not happened to compare."""
+    one (the most served against the answer served for them), the share's bound kept.
+    Without, such a worker served the configured count for every shape its shadows had not
+    happened to compare."""
     manifest = resolve(L3)
     backend = load_backend(manifest, "onnxruntime")
     record = HostRecord(tmp_path / "r.sqlite")
@@ -346,6 +347,7 @@ def test_mode2_without_a_sweep_verifies_the_shapes_it_serves_from_the_share_unde
     def state() -> dict:
         v, paid = tuner.side.verifier, tuner.side.paid
         return {"paid": v.verified_paid, "idle": v.verified, "runs": v.runs,
+                "against served answers": v.against_served, "kept": len(v.kept),
                 "unverified served": len(v.seen), "comparisons": tuner.ledger.comparisons,
                 "credit": paid.credit_s, "ranges": paid.range_credit_s,
                 "frozen": tuner.side.freezer.running, "learning": tuner.ledger.learning}
@@ -355,7 +357,8 @@ def test_mode2_without_a_sweep_verifies_the_shapes_it_serves_from_the_share_unde
         for c in clients:
             c.start()
         try:
-            wait_until(lambda: tuner.side.verifier.verified_paid >= 1, 120)
+            wait_until(lambda: tuner.side.verifier.verified_paid >= 1
+                       and tuner.side.verifier.against_served >= 1, 120)
         except TimeoutError:
             raise AssertionError(("no shape verified from the share", state())) from None
         stop.set()

@@ -431,6 +431,67 @@ def test_an_idle_mode2_worker_verifies_shapes_on_its_own(tmp_path):
     assert tuner.ledger.voucher.covers(1, 17, 2, 1) and not tuner.ledger.voucher.covers(1, 31, 2, 1)
 
 
+class ShadowCalls:
+    """The real backend; its twin (the backend the shadow lanes run) notes each forward's
+    shape, count and token ids in ``calls``."""
+
+    def __init__(self, backend, calls: list) -> None:
+        self.backend, self.calls, self.name = backend, calls, backend.name
+
+    def forward(self, batch, num_threads):
+        return self.backend.forward(batch, num_threads)
+
+    def twin(self):
+        return _NotedTwin(self.backend.twin(), self.calls)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class _NotedTwin:
+    def __init__(self, backend, calls: list) -> None:
+        self.backend, self.calls, self.name = backend, calls, backend.name
+
+    def forward(self, batch, num_threads):
+        self.calls.append((tuple(batch.input_ids.shape), num_threads, batch.input_ids.copy()))
+        return self.backend.forward(batch, num_threads)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def test_idle_verification_checks_a_served_shape_against_the_answer_served(tmp_path):
+    """R4.8: a shape the worker served is verified against the answer it served: the served
+    batch runs at 2 threads on the shadow side and its bits are compared with the served
+    answer, no forward at the configured count runs for it; a shape never served (a shorter
+    one-row shape of the range) gets a batch made for it, run at both counts. Learning's own
+    shadows are turned off here so that what verifies each shape is the verifier."""
+    calls: list = []
+    backend = ShadowCalls(load_backend(M, "onnxruntime"), calls)
+    path = tmp_path / "r.sqlite"
+    runner, tuner = start(backend, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS)
+    scope = Scope("test-host", M.revision, "onnxruntime")
+    tuner.learner.shadow_counts = lambda *_: []  # no timing shadows, no comparisons
+    served = {(2, 20): pad([row(20, 0), row(20, 1)]).input_ids, (1, 30): pad([row(30)]).input_ids}
+    wanted = {(2, 20, 2, 1), (1, 30, 2, 1), (1, 16, 2, 1)}
+    try:
+        calls.clear()  # the golden check's
+        runner.engine.submit([row(20, 0), row(20, 1)]).result(timeout=60)
+        serve_paced(runner, tuner, row(30))
+        assert wait_for(lambda: wanted <= HostRecord(path).voucher(scope).verified, 60), \
+            (sorted(HostRecord(path).voucher(scope).verified), build(from_tuner(tuner)))
+        report = build(from_tuner(tuner))
+    finally:
+        runner.stop()
+    ran = [(shape, n) for shape, n, _ in calls]
+    for shape, ids in served.items():
+        assert (shape, 1) not in ran, ran  # the served answer is the reference
+        assert any(s == shape and n == 2 and np.array_equal(i, ids) for s, n, i in calls)
+    assert ((1, 16), 1) in ran and ((1, 16), 2) in ran  # never served: both counts
+    assert report["learning"]["shapes_verified_against_served_answers"] >= 2
+    assert report["learning"]["shapes_verified_in_idle_time"] >= len(wanted)
+
+
 def test_idle_verification_that_meets_a_real_mismatch_blocks_vouching_without_retiring(
         tmp_path):
     """R4.7, R4.8, torch on a host where it drifts: a mode-2 worker that served one row of a

@@ -272,7 +272,7 @@ class AdaptiveThreads(ShadowSteps):
                 self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or not self.ledger.learning:
                 return
-            self.side.verifier.note(batch, result.forward_s)
+            self.side.verifier.note(batch, result)
             # a sample where shadows were frozen, or none ran beside it
             if learner.served(batch, result, timed.contention,
                               timed.sampling and self.flight.alone(timed), now):

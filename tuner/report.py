@@ -84,6 +84,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                        DecisionRule(t.settings.learning.margin, t.settings.learning.min_samples),
                        verified_passes=passes, uncovered=t.tally.uncovered,
                        shadow_error=t.side.error, learning={
+                           "forwards_served": t.tally.forwards,
                            "shadow_comparisons": t.ledger.comparisons, "audits": t.ledger.audits,
                            "shadows_overlapped_not_timed": t.tally.discarded,
                            "shadows_preempted_not_timed": t.tally.preempted,
@@ -109,6 +110,10 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "shapes_verified_in_idle_time": t.side.verifier.verified,
                            # ... and, where no idle time came, paid from the learning share
                            "shapes_verified_paid": t.side.verifier.verified_paid,
+                           # ... of both, against the answer served for a batch of the shape
+                           # (no forward at the configured count run for it)
+                           "shapes_verified_against_served_answers":
+                               t.side.verifier.against_served,
                            "shadow_wall_seconds": round(t.side.wall_s, 3),
                            "shadow_budget_seconds": round(t.shadow_budget_s(), 3),
                            # R4.5 amended: shadows run at normal priority beside served

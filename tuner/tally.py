@@ -10,6 +10,7 @@ from vllm_srun.tuner.ledger import Refusal, Verdict
 
 @dataclass
 class Tally:
+    forwards: int = 0  # served forwards whose count the tuner chose
     discarded: int = 0  # shadows whose time overlapped a served forward
     preempted: int = 0  # shadows whose threads waited for CPUs other tasks held
     uncovered: int = 0  # forwards kept at the configured count: the voucher lacks the shape
@@ -27,6 +28,7 @@ class Tally:
         """Why a served forward runs where it does: the ledger's ``verdict`` on the count
         chosen, ``contention``: "fallback" where the cores other tasks hold made a count below
         the learned one faster, ``other``: not the count its range's state wants."""
+        self.forwards += 1
         if not verdict.allowed:
             self.uncovered += verdict.refusal is Refusal.UNCOVERED  # R4.8: the shape
         elif contention == "fallback":
