@@ -162,3 +162,35 @@ def test_a_paid_shadow_whose_threads_mostly_waited_is_compared_but_not_timed(bac
     assert tuner.side.paid.paid_shadows >= 1 and tuner.tally.preempted >= 1
     assert not r.samples.get(2) and r.learned is None
     assert tuner.ledger.comparisons >= 1 and tuner.ledger.retired is None
+
+
+def test_the_share_is_kept_for_the_oldest_starved_range_not_spent_on_cheaper_ones(backend):
+    """R4.5 amended, mode 1: a range the traffic reaches rarely (64-127, its shadow 30 ms)
+    and a frequent one (16-31, 10 ms) both wait for a paid shadow. With 15 ms in the bucket
+    the rare one, oldest, is short, and nothing is paid for until the bucket holds its
+    shadow: spent on the cheaper shadows as it came, it never would while they kept coming
+    (range 128-255 was timed 11 s past the 2 minutes at 60% of capacity). In mode 2, where a
+    range's own bucket is what it lacks, the others go on."""
+    for mode in (AdaptiveMode.LEARN, AdaptiveMode.SERVE):
+        tuner = AdaptiveThreads(mode, 1, (1, 2), Scope("h", M.revision, "o"), None,
+                                backend.forward, TunerSettings.of(background=False),
+                                clock=lambda: 100.0)
+        tuner.ledger.locked_reason = None
+        tuner.ledger.voucher = Voucher(1, 0, True, (Coverage((1, 2), 1, 2, 128, 128, 128,
+                                                             127),))
+        for r, served_s in ((row(100), 0.060), (row(20), 0.020)):  # rare first: the oldest
+            batch = pad([r])
+            tuner.observe(batch, replace(backend.forward(batch, 1), forward_s=served_s))
+        board, paid = tuner.learner.board, tuner.side.paid
+        assert list(board.jobs) == [64, 16] and all(2 in j.counts for j in board.jobs.values())
+        for lo in board.jobs:
+            board.starved_since[lo] = 0.0
+        paid.credit_s = 0.015  # the rare one's shadow expected 30 ms, the frequent one's 10
+        paid.range_credit_s = {64: 1.0, 16: 1.0}
+        if mode is AdaptiveMode.LEARN:
+            assert board.paid_due(100.0, paid.affords) is None  # kept for range 64
+            paid.credit_s = 0.03
+            assert board.paid_due(100.0, paid.affords)[:2] == (64, board.jobs[64])
+        else:
+            paid.credit_s, paid.range_credit_s[64] = 1.0, 0.015  # its own bucket is short
+            assert board.paid_due(100.0, paid.affords)[:2] == (16, board.jobs[16])
