@@ -18,7 +18,9 @@ traffic reached first, so a bounded sweep spends its time where forwards are ser
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,40 +139,91 @@ def sweep(forward: Callable[[TokenBatch, int], ForwardResult], configured: int,
           counts: tuple[int, ...], shapes: list[Shape], seed: int = 0,
           progress: Callable[[SweepResult, int], None] | None = None,
           until: Callable[[SweepResult], bool] | None = None,
-          on_shape: Callable[[Shape, int, bool], None] | None = None) -> SweepResult:
+          on_shape: Callable[[Shape, int, bool], None] | None = None,
+          lanes: Sequence[Callable[[TokenBatch, int], ForwardResult]] = (),
+          cores: int = 1) -> SweepResult:
     """Run each shape at the configured count, then at every other count, and compare the
     bits. ``progress(result, total)`` after each shape; ``on_shape(shape, count, equal)``
-    after each comparison; ``until(result)`` true before a shape: stop there."""
+    after each comparison; ``until(result)`` true before a shape: stop there.
+
+    ``lanes``: more forwards like ``forward``, each safe to run beside the others (a backend
+    twin on a thread context of its own). Shapes then go in chunks, and a chunk's forwards at
+    count n run on up to ``cores // n`` lanes at once, so that the sweep keeps the ``cores``
+    busy: on 2 cores one forward at 2 threads, or two at 1 (sequentially, a 1-thread forward
+    left a core idle). A forward's answer does not depend on what runs beside it, only on
+    its count, so the comparisons are the same; a sweep stopped by ``until`` records no
+    shape past where it stopped, though it may have run the rest of that chunk."""
+    ways = [forward, *lanes]
     rng = np.random.default_rng(seed)
     result = SweepResult()
-    for shape in shapes:
+    others = [n for n in counts if n != configured]
+    chunk = 1 if len(ways) == 1 else CHUNK_PER_LANE * len(ways)
+    for at in range(0, len(shapes), chunk):
+        part = shapes[at:at + chunk]
         if until is not None and until(result):
             result.stopped = True
-            break
-        batch = shape_batch(shape, rng)
-        reference = output_bits(forward(batch, configured).outputs)
-        tally = result.by_range.setdefault(size_range(batch.padded_tokens)[0], [0, 0])
-        for n in counts:
-            if n == configured:
-                continue
-            out = output_bits(forward(batch, n).outputs)
-            result.comparisons += 1
-            tally[0] += 1
-            equal = np.array_equal(out, reference)
-            if on_shape is not None:
-                on_shape(shape, n, equal)
-            if not equal:
-                result.mismatches += 1
-                tally[1] += 1
-                if result.first_mismatch is None:
-                    at = tuple(np.argwhere(out != reference)[0])
-                    result.first_mismatch = {
-                        "rows": shape[0], "padded_length": shape[1],
-                        "padded_tokens": batch.padded_tokens, "threads": [configured, n],
-                        "first_index": [int(i) for i in at],
-                        "values": [float(np.asarray(a).view(np.float32))
-                                   for a in (reference[at], out[at])]}
-        result.shapes += 1
-        if progress is not None:
-            progress(result, len(shapes))
+            return result
+        batches = [shape_batch(shape, rng) for shape in part]
+        bits = {n: _run_all(ways[:max(1, min(len(ways), cores // n))], batches, n)
+                for n in (configured, *others)}
+        for i, (shape, batch) in enumerate(zip(part, batches, strict=True)):
+            if i and until is not None and until(result):
+                result.stopped = True
+                return result
+            _compare(result, shape, batch, configured, others,
+                     {n: bits[n][i] for n in bits}, on_shape)
+            result.shapes += 1
+            if progress is not None:
+                progress(result, len(shapes))
     return result
+
+
+# shapes per lane in a chunk of a sweep with lanes: the chunk's forwards at a count wait for
+# its slowest before the next count's start, and shapes are sorted by size, so a chunk's
+# forwards are alike; a larger chunk leaves the cores less often, and runs more forwards
+# past a stop (``until``) for nothing
+CHUNK_PER_LANE = 8
+
+
+def _run_all(ways: Sequence[Callable[[TokenBatch, int], ForwardResult]],
+             batches: list[TokenBatch], n: int) -> list[np.ndarray]:
+    """The output bits of each batch at ``n``, on ``ways`` at once (each takes the next batch
+    not yet taken)."""
+    if len(ways) == 1:
+        return [output_bits(ways[0](b, n).outputs) for b in batches]
+    out: list[np.ndarray | None] = [None] * len(batches)
+    taken = itertools.count()
+
+    def lane(way) -> None:
+        while (i := next(taken)) < len(batches):
+            out[i] = output_bits(way(batches[i], n).outputs)
+
+    with ThreadPoolExecutor(len(ways)) as pool:
+        for f in [pool.submit(lane, way) for way in ways]:
+            f.result()
+    return out  # type: ignore[return-value]
+
+
+def _compare(result: SweepResult, shape: Shape, batch: TokenBatch, configured: int,
+             others: list[int], bits: dict[int, np.ndarray],
+             on_shape: Callable[[Shape, int, bool], None] | None) -> None:
+    reference = bits[configured]
+    tally = result.by_range.setdefault(size_range(batch.padded_tokens)[0], [0, 0])
+    for n in others:
+        out = bits[n]
+        result.comparisons += 1
+        tally[0] += 1
+        equal = np.array_equal(out, reference)
+        if on_shape is not None:
+            on_shape(shape, n, equal)
+        if not equal:
+            result.mismatches += 1
+            tally[1] += 1
+            if result.first_mismatch is None:
+                at = tuple(np.argwhere(out != reference)[0])
+                result.first_mismatch = {
+                    "rows": shape[0], "padded_length": shape[1],
+                    "padded_tokens": batch.padded_tokens, "threads": [configured, n],
+                    "first_index": [int(i) for i in at],
+                    "values": [float(np.asarray(a).view(np.float32))
+                               for a in (reference[at], out[at])]}

@@ -161,7 +161,8 @@ def _verify(args: argparse.Namespace) -> int:
           f"shapes: {coverage_text(asdict(coverage))}; {len(plan.shapes) - len(todo)} verified "
           f"already, {len(todo)} to compare ({sum(r * n for r, n in todo)} padded tokens per "
           f"count){_bounds_text(args)}", file=sys.stderr)
-    result, writer = _run_sweep(args, backend, record, scope, configured, counts, todo)
+    result, writer = _run_sweep(args, backend, record, scope, configured, counts, todo,
+                                budget)
     complete = not result.stopped
     if complete and result.comparisons:
         record.add_voucher(scope, "verify", result.comparisons, result.mismatches, coverage)
@@ -228,12 +229,28 @@ class _ShapeWriter:
                                    and result.shapes >= self.max_shapes)
 
 
-def _run_sweep(args, backend, record, scope, configured, counts, todo):
-    """The sweep of ``todo`` with a progress bar and ETA, its shapes recorded as it goes."""
+# A sweep runs forwards on up to this many lanes at once (``verify.sweep``): each lane is a
+# backend twin with sessions of its own at every count it ran, holding the activations of the
+# largest shape it ran (hundreds of MB at 16,384 padded tokens even for a small model), so
+# lanes cost memory in proportion; 8 keep a host's cores busy at counts of budget / 8 and up
+MAX_LANES = 8
+
+
+def _run_sweep(args, backend, record, scope, configured, counts, todo, budget: int):
+    """The sweep of ``todo`` with a progress bar and ETA, its shapes recorded as it goes, its
+    forwards on as many lanes as the smallest count fits in the CPU budget (at most
+    ``MAX_LANES``)."""
+    from functools import partial
+
     from vllm_srun.runtime.threads import ThreadContext
     from vllm_srun.tuner.verify import sweep
 
-    context = ThreadContext()
+    def on(context, way, batch, n):
+        return context.run(n, lambda: way.forward(batch, n))
+
+    contexts = [ThreadContext() for _ in range(min(MAX_LANES, max(1, budget // min(counts))))]
+    twins = [backend.twin() for _ in contexts[1:]]
+    lanes = [partial(on, c, w) for c, w in zip(contexts[1:], twins, strict=True)]
     done_tokens = list(itertools.accumulate(r * n for r, n in todo))
     bar = Progress("verify", done_tokens[-1] if done_tokens else 0)
     writer = _ShapeWriter(record, scope, configured, args)
@@ -243,13 +260,16 @@ def _run_sweep(args, backend, record, scope, configured, counts, todo):
                 f"{res.mismatches} mismatches")
 
     try:
-        result = sweep(lambda b, n: context.run(n, lambda: backend.forward(b, n)), configured,
-                       counts, todo,
+        result = sweep(partial(on, contexts[0], backend), configured, counts, todo,
                        progress=lambda res, _total: bar.update(done_tokens[res.shapes - 1],
                                                                counts_text(res)),
-                       until=writer.stop, on_shape=writer.add)
+                       until=writer.stop, on_shape=writer.add, lanes=lanes, cores=budget)
     finally:
-        context.shutdown()
+        for context in contexts:
+            context.shutdown()
+        for twin in twins:
+            if twin is not backend:
+                twin.close()
         writer.write()
     bar.finish(counts_text(result))
     return result, writer
