@@ -1,7 +1,8 @@
 """R4.8, the voucher sweep on lanes: its forwards at a count run on up to ``cores // count``
 lanes at once (a backend twin each, on a thread context of its own), so on 2 cores two
 1-thread forwards run together and 2-thread ones alone; the comparisons, their order and
-what a stopped sweep records are those of the sweep on one lane. Real L3 forwards."""
+what a stopped sweep records are those of the sweep on one lane. Real forwards, on
+onnxruntime and on torch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import L3
+from tests.conftest import L3, L6
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.threads import ThreadContext
@@ -23,8 +24,9 @@ class Lanes:
     """Two lanes over a real backend and its twin, each forward noted with its lane, count
     and when it ran."""
 
-    def __init__(self) -> None:
-        backend = load_backend(resolve(L3), "onnxruntime")
+    def __init__(self, name: str = "onnxruntime") -> None:
+        backend = load_backend(resolve(L3 if name == "onnxruntime" else L6), name)
+        self.name = name
         self.ways = [(backend, ThreadContext()), (backend.twin(), ThreadContext())]
         self.runs: list[tuple[int, int, float, float]] = []
         self._lock = threading.Lock()
@@ -51,9 +53,11 @@ class Lanes:
             context.shutdown()
 
 
-@pytest.fixture
-def lanes():
-    ways = Lanes()
+@pytest.fixture(params=["onnxruntime", "torch"])
+def lanes(request):
+    """onnxruntime's twin has sessions of its own; torch's is the same module (a lane's
+    OS thread carries its own intra-op pool; L3 has no torch weights, so L6)."""
+    ways = Lanes(request.param)
     yield ways
     ways.close()
 
@@ -67,8 +71,9 @@ def test_a_sweep_on_two_lanes_keeps_two_cores_busy_and_compares_as_one_lane_does
                    on_shape=lambda *a: seen["two"].append(a))
     assert (packed.shapes, packed.comparisons, packed.mismatches, packed.by_range) == \
         (alone.shapes, alone.comparisons, alone.mismatches, alone.by_range)
-    assert packed.shapes == len(SHAPES) and packed.mismatches == 0
-    assert seen["two"] == seen["one"]  # the same shapes, in the same order, all equal
+    assert packed.shapes == len(SHAPES)
+    assert lanes.name == "torch" or packed.mismatches == 0  # (torch may differ across counts)
+    assert seen["two"] == seen["one"]  # the same shapes and verdicts, in the same order
     assert {lane for lane, n, _, _ in lanes.runs if n == 1} == {0, 1}
     assert lanes.overlapped(1) > 0  # two 1-thread forwards at once
     assert {lane for lane, n, _, _ in lanes.runs if n == 2} == {0}  # 2 threads: one lane
