@@ -192,9 +192,9 @@ class IdleVerifier:
         0.5% spent, and ran 19 forwards a second at the configured count for want of one;
         paid, 65 (38 paid), the share 2.0%, and 16 a second; paid with a batch made for the
         shape at both counts, 102 after 5 minutes and 14.5 a second, 0.79x a fixed 2;
-        against the answers served (one forward each, not two), 158 and 3.5 a second,
-        0.89x (``bench.mode2_coverage``, one run each). False when neither may (the shadow
-        loop waits as it does for shadows)."""
+        against the answers served (one forward each, not two), 155-158 and 3.5-4.6 a
+        second, 0.86-0.89x (``bench.mode2_coverage``, one run each, two of the last).
+        False when neither may (the shadow loop waits as it does for shadows)."""
         t = self.tuner
         with t.lock:
             now = t.clock()
