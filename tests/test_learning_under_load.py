@@ -457,14 +457,15 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
 
 def learning_runner(tmp_path):
     """Mode 1 on L3 (1 thread configured, counts 1 and 2) with the shadow side's freezes and
-    thaws recorded: (when, frozen)."""
+    thaws recorded: (when, frozen, the running shadow's epoch)."""
     manifest = resolve(L3)
     backend = load_backend(manifest, "onnxruntime")
-    pauses: list[tuple[float, bool]] = []
+    pauses: list[tuple[float, bool, int]] = []
+    made: list = []  # the tuner, once made (the pause is called with its lock held)
 
     def pause(shadows):
         def wrapped(frozen: bool) -> bool:
-            pauses.append((time.monotonic(), frozen))
+            pauses.append((time.monotonic(), frozen, made[0].flight.shadow_epoch if made else -1))
             return shadows.pause(frozen)
         return wrapped
 
@@ -473,6 +474,7 @@ def learning_runner(tmp_path):
         Scope("test-host", manifest.revision, "onnxruntime"), HostRecord(tmp_path / "r.sqlite"),
         TunerSettings.of(min_samples=6, budget_fraction=1.0),
         EngineArgs(num_threads=1, cache_entries=0), pause=pause)
+    made.append(tuner)
     return runner, tuner, pauses
 
 
@@ -493,7 +495,7 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
             runner.engine.submit([row(120, i)]).result(timeout=60)
         with tuner.lock:
             started = tuner.ledger.comparisons
-            overlapped, froze = tuner.tally.discarded, [f for _, f in pauses].count(True)
+            overlapped, froze = tuner.tally.discarded, [f for _, f, _ in pauses].count(True)
             timed_served = tuner.tally.served_samples
         wait_until(lambda: tuner.learner.ranges[lo].learned is not None, 60,
                    "2 threads timed once the client stopped")
@@ -508,13 +510,16 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
     assert len(tuner.learner.ranges[lo].samples[2]) >= 6
 
 
-def test_a_shadow_cut_into_by_load_stays_frozen_until_the_load_calms(tmp_path):
+def test_a_shadow_cut_into_by_load_is_frozen_once_not_at_every_gap(tmp_path):
     """R4.5: mode 1; a shadow timing 2 threads on a large batch starts in the quiet (it shares
     the served forwards' cores) and back-to-back load begins while it runs. The first served
     forward freezes it; while served forwards take most of the time it stays frozen (thawed
     in the gaps it would be cut into again at once, and served forwards overlapped it: it
-    cannot be a sample), and it ends once the load stops. Before, it was thawed and frozen
-    again around the forwards whose gap outlasted the hold."""
+    cannot be a sample) until its range has starved ``starved_s``; then it runs unfrozen in
+    the idle class and ends (its time no sample). Before, it was thawed and frozen again
+    around every forward whose gap outlasted the hold: tens of freezes. Pauses are counted
+    for this shadow alone (its epoch): a later shadow of the load's own range may start and
+    be frozen while the load still runs (a slower host, CI)."""
     runner, tuner, pauses = learning_runner(tmp_path)
     try:
         wait_until(lambda: tuner.side.warm, 60, "the shadow side warm")
@@ -522,19 +527,25 @@ def test_a_shadow_cut_into_by_load_stays_frozen_until_the_load_calms(tmp_path):
         runner.engine.submit(big).result(timeout=60)
         wait_until(lambda: tuner.flight.shadowing and tuner.flight.shadow_gated, 10,
                    "a shadow that shares the served forwards' cores")
+        with tuner.lock:
+            epoch = tuner.flight.shadow_epoch
         began = time.monotonic()
         for i in range(600):
             runner.engine.submit([row(60, i)]).result(timeout=60)
         ended = time.monotonic()
-        wait_until(lambda: not tuner.flight.shadowing, 30, "the shadow to end once the load stops")
+        wait_until(lambda: tuner.flight.shadow_epoch != epoch or not tuner.flight.shadowing,
+                   30, "the shadow to end")
     finally:
         runner.stop()
-    during = [(at, frozen) for at, frozen in pauses if began <= at <= ended]
-    late = [frozen for at, frozen in during if at >= began + (ended - began) / 2]
-    print(f"load {ended - began:.2f} s, pauses during it {len(during)}, thaws in its second "
-          f"half {late.count(False)}, frozen beside {tuner.tally.frozen_beside}")
+    during = [(round(at - began, 3), frozen) for at, frozen, e in pauses
+              if e == epoch and began <= at <= ended]
+    freezes = [frozen for _, frozen in during].count(True)
+    print(f"load {ended - began:.2f} s, this shadow's pauses during it {during}, "
+          f"frozen beside {tuner.tally.frozen_beside}")
     assert during and during[0][1] is True  # frozen by the first forward
-    assert late.count(False) == 0, during
+    # measured 1 here (thawed once starved), 2 on CI (a first thaw before the busy share
+    # passed ``busy_max``); one per gap before
+    assert freezes <= 3, during
 
 
 def test_a_worker_loaded_from_its_first_second_warms_its_shadow_side_and_learns(tmp_path):
