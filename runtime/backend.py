@@ -156,6 +156,7 @@ class TorchBackend:
                  precision: Precision = Precision.FLOAT32, share_weights: bool = True) -> None:
         import torch
 
+        from vllm_srun.runtime.torch_fast import faster
         from vllm_srun.runtime.torch_model import load_module
         from vllm_srun.runtime.weights import share_module
 
@@ -168,6 +169,8 @@ class TorchBackend:
         self.shared = (share_weights and self.device.type == "cpu"
                        and precision is not Precision.INT8
                        and share_module(manifest, precision, self.module))
+        if self.device.type == "cpu":  # traced; bfloat16 Linear weights packed (torch_fast)
+            self.module = faster(self.module, precision)
         self._seen = threading.local()
         self.module.register_forward_pre_hook(self._observe)
 

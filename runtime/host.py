@@ -57,6 +57,9 @@ def _torch_builds() -> dict[str, str]:
 # Bumped when the runtime's own arithmetic changes answers' bits (2: mean pooling accumulates
 # in float64), so a host's stored golden answers and learned counts start afresh, not fail.
 ANSWERS_VERSION = 2
+# The same for the torch backend's kernels alone (1: bfloat16 ``Linear`` weights packed for
+# oneDNN, ``torch_fast.py``), so onnxruntime's learnings stay.
+TORCH_ANSWERS = 1
 
 
 def host_fingerprint(backend: BackendName | str, budget: int) -> tuple[str, dict]:
@@ -66,6 +69,7 @@ def host_fingerprint(backend: BackendName | str, budget: int) -> tuple[str, dict
                      "machine": platform.machine(), "answers": ANSWERS_VERSION}
     if backend is BackendName.TORCH:
         details["torch"] = _version("torch")
+        details["torch_answers"] = TORCH_ANSWERS
         details.update(_torch_builds())
         # MKL's conditional bit-wise reproducibility mode changes which kernels run
         details["mkl_cbwr"] = os.environ.get("MKL_CBWR", "")

@@ -13,7 +13,9 @@ rename); every later load, in the worker and in its shadow child, memory-maps it
   memory.
 - torch: the module's state dict (float32 or bfloat16), loaded with ``torch.load(mmap=True)``
   and assigned into the module, so its parameters stay file-backed. int8 is not shared:
-  ``quantize_dynamic`` packs weights into fbgemm's own memory.
+  ``quantize_dynamic`` packs weights into fbgemm's own memory; nor are bfloat16 ``Linear``
+  weights where ``torch_fast.py`` packs them for oneDNN (each process its own packed copy;
+  the rest of the model, embeddings included, stays shared).
 
 Invariant: a shared load gives answers bit for bit the same as a private one (the same
 values, the same kernels; ``tests/test_weights.py`` checks both backends), so a worker whose

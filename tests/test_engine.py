@@ -186,8 +186,10 @@ def test_an_input_answered_nan_fails_its_request_alone():
 
     bad_token = 2000
     torched = load_backend(resolve(L6), "torch")
+    weights = dict(torched.module.named_parameters())  # the served module is traced: by name
     with torch.no_grad():
-        torched.module.inner.embeddings.word_embeddings.weight[bad_token] = float("inf")
+        weights[next(name for name in weights if name.endswith(
+            "embeddings.word_embeddings.weight"))][bad_token] = float("inf")
     r = Runner(resolve(L6), torched, EngineArgs(num_threads=1))
     r.start()
     try:

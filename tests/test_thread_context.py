@@ -61,7 +61,8 @@ def _saboteur(stop: threading.Event) -> None:
 
 def test_concurrent_engines_each_run_at_their_own_count(torch_backend):
     observer = Observer()
-    handle = torch_backend.module.inner.encoder.layer[0].register_forward_pre_hook(observer)
+    # on the served module, just before its forward (traced: no Python inside to hook)
+    handle = torch_backend.module.register_forward_pre_hook(observer)
     context = ThreadContext()
     engines = {n: Engine(torch_backend, EngineArgs(num_threads=n), context=context)
                for n in (1, 2)}
