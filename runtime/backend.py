@@ -158,7 +158,7 @@ class TorchBackend:
 
         from vllm_srun.runtime.torch_fast import faster
         from vllm_srun.runtime.torch_model import load_module
-        from vllm_srun.runtime.weights import share_module
+        from vllm_srun.runtime.weights import release_pages, share_module, shared_state_path
 
         self._torch = torch
         self.manifest = manifest
@@ -170,7 +170,9 @@ class TorchBackend:
                        and precision is not Precision.INT8
                        and share_module(manifest, precision, self.module))
         if self.device.type == "cpu":  # traced; bfloat16 Linear weights packed (torch_fast)
-            self.module = faster(self.module, precision)
+            path = shared_state_path(manifest, precision)
+            self.module = faster(self.module, precision, release=(
+                lambda weight: release_pages(weight, path)) if self.shared else None)
         self._seen = threading.local()
         self.module.register_forward_pre_hook(self._observe)
 

@@ -9,7 +9,8 @@ oneDNN, then the whole module traced.
   42 of 42 batch shapes (1-16 rows of 8-128 tokens), unpacked at 25. Packing changes answers
   in the last bits at some shapes (a 1,536-wide product of 3 x 24 rows), so it is part of the
   host fingerprint (``host.TORCH_ANSWERS``). The packed copy is the process's own memory (21
-  MB for all-MiniLM-L6-v2), not the file a worker and its shadow process both map.
+  MB for all-MiniLM-L6-v2), not the file a worker and its shadow process both map; the
+  mapped originals' pages are dropped from the process once packed (``weights.release_pages``).
 - **Traced**: TorchScript records the operators a forward runs, and its interpreter runs them
   without the profiling executor's optimizations (no fused kernels, no re-specialization per
   shape): the same aten operators in the same order, without transformers' Python between
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 
 from vllm_srun.runtime.attention import MIN_TOKENS
 from vllm_srun.runtime.precision import Precision
@@ -53,16 +55,19 @@ def packs(precision: Precision) -> bool:
     return precision is Precision.BFLOAT16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def faster(module, precision: Precision):
+def faster(module, precision: Precision, release: Callable | None = None):
     """``module`` (``torch_model.load_module``'s, on the CPU) packed where ``packs`` says so
     (logged where it cannot be), then traced where the trace answers as it does (logged
-    otherwise)."""
+    otherwise). ``release(weight)``: called for each weight a packed copy replaced (its
+    pages are no longer read: ``weights.release_pages``)."""
     import torch
 
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TracerWarning: shape branches taken as traced
         if packs(precision):
-            pack(torch, module)
+            for weight in pack(torch, module):
+                if release is not None:
+                    release(weight)
         try:
             return _traced(torch, module)
         except Exception as exc:  # TorchScript raises many kinds; the module runs untraced
@@ -114,9 +119,9 @@ def _traced(torch, module):
     return run
 
 
-def pack(torch, module) -> None:
+def pack(torch, module) -> list:
     """Replace every bfloat16 ``Linear`` of ``module`` by one with its weight packed; where
-    oneDNN refuses one, ``module`` stays as loaded."""
+    oneDNN refuses one, ``module`` stays as loaded. Returns the weights replaced."""
     op = _packed_linear(torch)
 
     class PackedLinear(torch.nn.Module):
@@ -140,6 +145,8 @@ def pack(torch, module) -> None:
         log.warning("torch_pack_unused reason=%s", str(exc).splitlines()[0][:200])
         for parent, name, child in swapped:
             setattr(parent, name, child)
+        return []
+    return [child.weight for _, _, child in swapped]
 
 
 def _packed_linear(torch):

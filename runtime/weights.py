@@ -15,7 +15,8 @@ rename); every later load, in the worker and in its shadow child, memory-maps it
   and assigned into the module, so its parameters stay file-backed. int8 is not shared:
   ``quantize_dynamic`` packs weights into fbgemm's own memory; nor are bfloat16 ``Linear``
   weights where ``torch_fast.py`` packs them for oneDNN (each process its own packed copy;
-  the rest of the model, embeddings included, stays shared).
+  the mapped originals' pages are then dropped from the process, ``release_pages``; the rest
+  of the model, embeddings included, stays shared).
 
 Invariant: a shared load gives answers bit for bit the same as a private one (the same
 values, the same kernels; ``tests/test_weights.py`` checks both backends), so a worker whose
@@ -117,6 +118,36 @@ def share_module(manifest: Manifest, precision: Precision, module) -> bool:
         log.warning("shared_weights_unavailable backend=torch path=%s error=%s", target, exc)
         return False
     return True
+
+
+def release_pages(tensor, path: Path) -> bool:
+    """Drop this process's pages of ``tensor`` where it lies inside a memory mapping of the
+    file ``path`` and nothing reads it any more (``torch_fast`` packed a copy of it): whole
+    pages only, with ``madvise(MADV_DONTNEED)``. The file's pages stay in the page cache for
+    the other processes that map it, and the kernel reads them from the file again if the
+    tensor is touched; a tensor outside such a mapping (private weights) is left alone, and
+    freed with its last reference. Returns whether pages were dropped."""
+    import ctypes
+    import mmap
+
+    start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    inside = False
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip() == str(path):
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    inside |= lo <= start and start + size <= hi
+    except OSError:
+        return False
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, (start + size) // page * page
+    if not inside or last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(first, last - first, mmap.MADV_DONTNEED) == 0
 
 
 def _write_state(module, target: Path) -> None:

@@ -8,8 +8,10 @@ Real backends, a real ``ShadowProcess`` child; memory is read from ``/proc/<pid>
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -132,3 +134,46 @@ def test_a_cache_that_cannot_hold_the_shared_copy_loads_private_weights(tmp_path
     assert not torch_backend.shared
     assert torch_backend.forward(BATCHES[0], 1).outputs.shape == (1, 384)
     assert "shared_weights_unavailable backend=torch" in caplog.text
+
+
+def test_packed_bfloat16_weights_leave_the_mapped_originals_unresident():
+    """Where ``torch_fast`` packs bfloat16 Linear weights, the mapped originals are read once
+    (to pack) and then dropped from the process (``release_pages``): in a fresh process that
+    loads the backend and serves, the shared file's mapping holds less than the file less
+    half the packed weights; a tensor outside any mapping of the file is left alone."""
+    from vllm_srun.runtime.torch_fast import packs
+
+    if not packs(Precision.BFLOAT16):
+        pytest.skip("oneDNN does not run bfloat16 on this CPU: nothing is packed")
+    code = f"""
+import json, torch
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.precision import Precision
+from vllm_srun.runtime.weights import release_pages, shared_state_path
+manifest = resolve({L6!r})
+served = load_backend(manifest, "torch", precision="bfloat16")
+for n in (7, 50, 200):
+    served.forward(pad([[101] + [2000 + i for i in range(n)] + [102]] * 2), 1)
+path = shared_state_path(manifest, Precision.BFLOAT16)
+rss, inside = 0, False
+for line in open("/proc/self/smaps"):
+    head = line.split()
+    if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+        inside = len(head) >= 6 and head[5] == str(path)
+    elif inside and head[0] == "Rss:":
+        rss += int(head[1])
+print(json.dumps({{"shared": served.shared, "file_kb": path.stat().st_size / 1024,
+    "packed_kb": sum(b.numel() * 2 for n, b in served.module.named_buffers()
+                     if n.endswith(".packed")) / 1024,
+    "rss_kb": rss,
+    "outside": release_pages(torch.ones(4096), path)}}))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    print(got)
+    assert got["shared"] and got["packed_kb"] > 10_000 and not got["outside"]
+    assert got["rss_kb"] < got["file_kb"] - got["packed_kb"] / 2, got
