@@ -3,14 +3,15 @@ oneDNN, then the whole module traced.
 
 - **Packed** (bfloat16, where oneDNN runs bfloat16 on this CPU): each ``Linear``'s weight is
   reordered once into the blocked layout oneDNN's matrix kernels read (AMX tiles on a Xeon
-  with AMX), where ``F.linear`` reorders it on every call and picks its blocking per call
-  from the batch and the thread count. Packed, the kernels' blocking is fixed by the weight:
-  on the 2-vCPU Xeon with AMX all-MiniLM-L6-v2's answers were identical at 1 and 2 threads at
-  42 of 42 batch shapes (1-16 rows of 8-128 tokens), unpacked at 25. Packing changes answers
-  in the last bits at some shapes (a 1,536-wide product of 3 x 24 rows), so it is part of the
-  host fingerprint (``host.TORCH_ANSWERS``). The packed copy is the process's own memory (21
-  MB for all-MiniLM-L6-v2), not the file a worker and its shadow process both map; the
-  mapped originals' pages are dropped from the process once packed (``weights.release_pages``).
+  with AMX), where ``F.linear`` reorders it on every call. Packed, all-MiniLM-L6-v2's
+  answers on the 2-vCPU Xeon with AMX were identical at 1 and 2 threads at 205 of 208 shapes
+  of real text (unpacked: 147; ``bench.precision_exactness``), but a sweep up to 512 padded
+  tokens still found 278 of 1,778 shapes that differ (unpacked: 979), so mode 2 still serves
+  no other count there (R4.8). Packing changes answers in the last bits at some shapes (a
+  1,536-wide product of 3 x 24 rows), so it is part of the host fingerprint
+  (``host.TORCH_ANSWERS``). The packed copy is the process's own memory (21 MB for
+  all-MiniLM-L6-v2), not the file a worker and its shadow process both map; the mapped
+  originals' pages are dropped from the process once packed (``weights.release_pages``).
 - **Traced**: TorchScript records the operators a forward runs, and its interpreter runs them
   without the profiling executor's optimizations (no fused kernels, no re-specialization per
   shape): the same aten operators in the same order, without transformers' Python between
