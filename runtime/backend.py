@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -170,9 +171,9 @@ class TorchBackend:
                        and precision is not Precision.INT8
                        and share_module(manifest, precision, self.module))
         if self.device.type == "cpu":  # traced; bfloat16 Linear weights packed (torch_fast)
-            path = shared_state_path(manifest, precision)
-            self.module = faster(self.module, precision, release=(
-                lambda weight: release_pages(weight, path)) if self.shared else None)
+            self.module = faster(self.module, precision, release=partial(
+                release_pages, path=shared_state_path(manifest, precision))
+                if self.shared else None)
         self._seen = threading.local()
         self.module.register_forward_pre_hook(self._observe)
 

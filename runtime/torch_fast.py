@@ -30,6 +30,7 @@ every task and precision.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -46,7 +47,8 @@ PROBES = ((1, 8, False, False), (3, 24, True, False), (2, 40, True, True),
           (1, 200, False, False))
 EXAMPLE = (2, 16, False, False)
 
-_packed_op = None  # registered once per process (``_packed_linear``)
+_packed_op = None  # registered once per process (``_packed_linear``), under ``_registering``
+_registering = threading.Lock()
 
 
 def packs(precision: Precision) -> bool:
@@ -56,19 +58,19 @@ def packs(precision: Precision) -> bool:
     return precision is Precision.BFLOAT16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def faster(module, precision: Precision, release: Callable | None = None):
+def faster(module, precision: Precision, release: Callable[[list], object] | None = None):
     """``module`` (``torch_model.load_module``'s, on the CPU) packed where ``packs`` says so
     (logged where it cannot be), then traced where the trace answers as it does (logged
-    otherwise). ``release(weight)``: called for each weight a packed copy replaced (its
-    pages are no longer read: ``weights.release_pages``)."""
+    otherwise). ``release(weights)``: called once with the weights packed copies replaced
+    (their pages are no longer read: ``weights.release_pages``)."""
     import torch
 
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TracerWarning: shape branches taken as traced
         if packs(precision):
-            for weight in pack(torch, module):
-                if release is not None:
-                    release(weight)
+            replaced = pack(torch, module)
+            if replaced and release is not None:
+                release(replaced)
         try:
             return _traced(torch, module)
         except Exception as exc:  # TorchScript raises many kinds; the module runs untraced
@@ -154,11 +156,12 @@ def _packed_linear(torch):
     """oneDNN's linear on a packed weight as an operator a trace records (called from Python
     it takes an empty list TorchScript cannot type)."""
     global _packed_op
-    if _packed_op is None:
-        @torch.library.custom_op("vllm_srun::packed_linear", mutates_args=(),
-                                 schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-        def packed_linear(x, weight, bias):
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    with _registering:  # backends may load on several threads at once
+        if _packed_op is None:
+            @torch.library.custom_op("vllm_srun::packed_linear", mutates_args=(),
+                                     schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+            def packed_linear(x, weight, bias):
+                return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
-        _packed_op = packed_linear
+            _packed_op = packed_linear
     return _packed_op

@@ -120,34 +120,32 @@ def share_module(manifest: Manifest, precision: Precision, module) -> bool:
     return True
 
 
-def release_pages(tensor, path: Path) -> bool:
-    """Drop this process's pages of ``tensor`` where it lies inside a memory mapping of the
-    file ``path`` and nothing reads it any more (``torch_fast`` packed a copy of it): whole
-    pages only, with ``madvise(MADV_DONTNEED)``. The file's pages stay in the page cache for
-    the other processes that map it, and the kernel reads them from the file again if the
+def release_pages(tensors, path: Path) -> int:
+    """Drop this process's pages of each of ``tensors`` that lies inside a memory mapping of
+    the file ``path`` and that nothing reads any more (``torch_fast`` packed copies of them):
+    whole pages only, with ``madvise(MADV_DONTNEED)``. The file's pages stay in the page cache
+    for the other processes that map it, and the kernel reads them from the file again if a
     tensor is touched; a tensor outside such a mapping (private weights) is left alone, and
-    freed with its last reference. Returns whether pages were dropped."""
+    freed with its last reference. Returns how many tensors had pages dropped."""
     import ctypes
     import mmap
 
-    start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    inside = False
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].strip() == str(path):
-                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                    inside |= lo <= start and start + size <= hi
+            spans = [tuple(int(x, 16) for x in fields[0].split("-"))
+                     for fields in (line.split(maxsplit=5) for line in maps)
+                     if len(fields) == 6 and fields[5].strip() == str(path)]
     except OSError:
-        return False
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, (start + size) // page * page
-    if not inside or last <= first:
-        return False
+        return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(first, last - first, mmap.MADV_DONTNEED) == 0
+    page, released = mmap.PAGESIZE, 0
+    for tensor in tensors:
+        start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        first, last = -(-start // page) * page, (start + size) // page * page
+        if last > first and any(lo <= start and start + size <= hi for lo, hi in spans):
+            released += libc.madvise(first, last - first, mmap.MADV_DONTNEED) == 0
+    return released
 
 
 def _write_state(module, target: Path) -> None:

@@ -168,7 +168,7 @@ print(json.dumps({{"shared": served.shared, "file_kb": path.stat().st_size / 102
     "packed_kb": sum(b.numel() * 2 for n, b in served.module.named_buffers()
                      if n.endswith(".packed")) / 1024,
     "rss_kb": rss,
-    "outside": release_pages(torch.ones(4096), path)}}))
+    "outside": release_pages([torch.ones(4096)], path)}}))
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
