@@ -8,13 +8,17 @@ import functools
 import json
 from dataclasses import asdict, dataclass, field
 
+from vllm_srun.runtime.sizes import on_grid
+
 
 @dataclass(frozen=True)
 class Coverage:
     """What one ``threads verify`` sweep compared (R4.8): the thread counts, and the forward
     shapes (rows x padded length) within these bounds. Shapes up to ``exhaustive_padded``
     padded tokens were all swept; above it ``sampled`` of the ``above`` shapes there were, a
-    stratified sample (``sampled == above`` when the sweep was exhaustive)."""
+    stratified sample (``sampled == above`` when the sweep was exhaustive). ``grid``: only
+    the padded lengths on the length grid (``runtime.sizes.grid_length``), those a mode 2
+    engine forms; a sweep recorded without it covered every length."""
 
     counts: tuple[int, ...]
     max_rows: int  # max_num_seqs
@@ -25,10 +29,12 @@ class Coverage:
     shapes: int  # shapes swept in all
     sampled: int = 0
     above: int = 0
+    grid: bool = False
 
     def covers_shape(self, rows: int, length: int) -> bool:
         return (1 <= rows <= self.max_rows and self.min_len <= length <= self.max_len
-                and (rows == 1 or rows * length <= self.max_padded))
+                and (rows == 1 or rows * length <= self.max_padded)
+                and (not self.grid or on_grid(length, self.max_len)))
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "counts": list(self.counts)})
@@ -36,6 +42,8 @@ class Coverage:
     @classmethod
     def from_json(cls, text: str) -> Coverage:
         raw = json.loads(text)
+        if not isinstance(raw.get("grid", False), bool):
+            raise ValueError(f"a coverage's grid is true or false, not {raw['grid']!r}")
         return cls(**{**raw, "counts": tuple(raw["counts"])})
 
 

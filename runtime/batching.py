@@ -8,7 +8,7 @@ an endless stream of others; the forward then takes that bucket's rows in arriva
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -26,16 +26,19 @@ def length_bucket(tokens: int) -> int:
     return bucket
 
 
-def next_batch(pending: Sequence[PendingRow], max_num_seqs: int,
-               max_num_batched_tokens: int) -> list[PendingRow]:
-    """Rows for the next forward; ``pending`` is in arrival order and not empty."""
+def next_batch(pending: Sequence[PendingRow], max_num_seqs: int, max_num_batched_tokens: int,
+               pad_to: Callable[[int], int] | None = None) -> list[PendingRow]:
+    """Rows for the next forward; ``pending`` is in arrival order and not empty. ``pad_to``
+    gives the padded length from the longest row where the forward pads further (the
+    engine's length grid)."""
     bucket = length_bucket(pending[0].length)
     chosen: list[PendingRow] = []
     longest = 0
     for row in pending:
         if length_bucket(row.length) != bucket:
             continue
-        padded = (len(chosen) + 1) * max(longest, row.length)
+        length = max(longest, row.length)
+        padded = (len(chosen) + 1) * (pad_to(length) if pad_to is not None else length)
         if chosen and padded > max_num_batched_tokens:
             continue
         chosen.append(row)

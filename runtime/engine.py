@@ -100,10 +100,13 @@ class _Request:
 
 
 def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None,
-        raw: list[bool] | None = None) -> TokenBatch:
-    """Pad rows to the longest; ``type_ids`` (text pairs) gives the token type ids, where a
-    row without them (None) has zeros; ``raw`` marks the rows answered raw."""
+        raw: list[bool] | None = None, to: Callable[[int], int] | None = None) -> TokenBatch:
+    """Pad rows to the longest, or to ``to(longest)`` tokens where given (the length grid);
+    ``type_ids`` (text pairs) gives the token type ids, where a row without them (None) has
+    zeros; ``raw`` marks the rows answered raw."""
     longest = max(len(r) for r in rows)
+    if to is not None:
+        longest = max(longest, to(longest))
     ids = np.zeros((len(rows), longest), dtype=np.int64)
     mask = np.zeros((len(rows), longest), dtype=np.int64)
     for i, r in enumerate(rows):
@@ -143,6 +146,9 @@ class Engine:
         # onnxruntime's count is the session's, not the OS thread's: any thread may run it
         self._inline = not getattr(backend, "thread_bound", True)
         self.on_forward = on_forward
+        # the padded length of a served forward from its longest row (mode 2: the length grid,
+        # ``sizes.grid_length``); None: the longest row
+        self.pad_to: Callable[[int], int] | None = None
         self._cond = threading.Condition()
         self._requests: dict[int, _Request] = {}
         self._pending: list[PendingRow] = []
@@ -220,7 +226,7 @@ class Engine:
                 if not self._running:
                     return
                 chosen = next_batch(self._pending, self.args.max_num_seqs,
-                                    self.args.max_num_batched_tokens)
+                                    self.args.max_num_batched_tokens, self.pad_to)
                 taken = set(chosen)
                 self._pending = [r for r in self._pending if r not in taken]
                 rows = [self._requests[r.request_id].rows[r.index] for r in chosen]
@@ -236,7 +242,7 @@ class Engine:
 
     def _serve(self, chosen: list[PendingRow], rows: list[list[int]],
                types: list[list[int] | None], raw: list[bool]) -> None:
-        batch = pad(rows, types, raw)
+        batch = pad(rows, types, raw, self.pad_to)
         num_threads = self.threads.served_threads(batch)
         try:
             result = self._run(num_threads, lambda: self.backend.forward(batch, num_threads))

@@ -314,6 +314,7 @@ def start(backend, record, mode, configured, counts, settings=FAST, reference=Tr
     from vllm_srun.runtime.types import EngineArgs
     from vllm_srun.tuner.adaptive import AdaptiveThreads
     from vllm_srun.tuner.golden import golden_rows, reference_outputs
+    from vllm_srun.tuner.modes import AdaptiveMode
     from vllm_srun.tuner.shadows import idle_shadows
 
     manifest = resolve(L6)
@@ -327,6 +328,8 @@ def start(backend, record, mode, configured, counts, settings=FAST, reference=Tr
                             shadow_forward=shadow_forward, on_close=close_shadows,
                             paid_forward=functools.partial(shadow_forward, paid=True))
     runner.engine.threads = tuner
+    if mode is AdaptiveMode.SERVE:  # as a mode 2 worker (server/worker/assembly.py)
+        runner.pad_to_grid()
     runner.start(check=lambda: tuner.startup(
         golden_rows(runner.tokenizer),
         reference_outputs(manifest.revision) if reference else None))

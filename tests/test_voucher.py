@@ -22,6 +22,7 @@ from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.budget import cpu_budget
 from vllm_srun.runtime.engine import pad
+from vllm_srun.runtime.sizes import grid_length
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.server.worker.assembly import scope_for
 from vllm_srun.tuner.adaptive import output_bits
@@ -140,21 +141,23 @@ def drifts(backend, context: ThreadContext, n: int, salts: int = 2) -> bool:
 
 
 def find_shapes(backend, run: int = 4) -> tuple[int, list[int], int | None]:
-    """A size range lo..2lo-1 of one-row lengths holding ``run`` consecutive lengths that do
-    not drift and one that does: (lo, clean run, drifting length or None). Tries 32-63 (drift
-    at 57+ on the Intel host) then 8-15 (5-11 on the AMD ones). Forwards at 2 threads are slow
-    on a busy 2-core host, so it measures only as far as it must."""
+    """A size range lo..2lo-1 of one-row lengths on the length grid a mode 2 worker pads to
+    holding ``run`` consecutive lengths that do not drift and one that does: (lo, clean run,
+    drifting length or None). Tries 32-63 (drift at 57+ on the Intel host) then 8-15 (5-11
+    on the AMD ones). Forwards at 2 threads are slow on a busy 2-core host, so it measures
+    only as far as it must."""
     context = ThreadContext()
     try:
         for lo in (32, 8):
+            lengths = [n for n in range(lo, 2 * lo) if grid_length(n, M.max_tokens) == n]
             clean: list[int] = []
-            for n in range(lo, 2 * lo):
+            for n in lengths:
                 clean = [*clean, n] if not drifts(backend, context, n) else []
                 if len(clean) == run:
                     break
             if len(clean) < run:
                 continue
-            bad = next((n for n in reversed(range(lo, 2 * lo))
+            bad = next((n for n in reversed(lengths)
                         if n not in clean and drifts(backend, context, n, 1)), None)
             if bad is not None:
                 return lo, clean, bad
@@ -298,7 +301,8 @@ def test_a_sweep_and_a_reset_from_the_cli_reach_a_running_worker(tmp_path):
         assert wait_for(lambda: not tuner.ledger.voucher.vouches
                         and not tuner.learner.ranges[16].serving,
                         WATCH_DEADLINE_S), \
-            f"a reset did not reach the worker within {WATCH_DEADLINE_S} s"
+            f"a reset did not reach the worker within {WATCH_DEADLINE_S} s " \
+            f"{tuner.ledger.voucher} {tuner.learner.ranges[16]}"
         report = build(from_tuner(tuner))
         runner.engine.submit([row(22, 1)]).result(timeout=60)
         assert runner.served[-1].num_threads == 1
@@ -321,15 +325,16 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     sweep since the last reset had both that count and the configured count and the forward's
     shape lies in its bounds; other forwards of the range run at the configured count and the
     report counts them". Above 1,024 padded tokens a sweep samples, so a shape in its bounds
-    that it did not run (6 x 230) is served at the learned count; shapes of the same range
-    outside its bounds (7 x 250 over its 1,536 padded tokens, 9 rows over its 8) are not. The
+    that it did not run (6 x 224, on the length grid) is served at the learned count; shapes
+    of the same range outside its bounds (7 x 250, padded to 7 x 256, over its 1,536 padded
+    tokens; 9 rows over its 8) are not. The
     voucher is what a sweep of this plan records (sweeps themselves: test_threads_cli)."""
     backend = load_backend(M, "onnxruntime")
     record = HostRecord(tmp_path / "r.sqlite")
     plan = plan_sweep(ShapeBounds(max_rows=8, max_len=256, max_padded=1536))
-    unswept = (6, 230)
+    unswept = (6, 224)
     assert unswept not in plan.shapes and 0 < plan.sampled < plan.above
-    assert {(5, 205), (6, 256)} <= set(plan.shapes)  # its stratum's smallest and largest
+    assert {(5, 208), (6, 256)} <= set(plan.shapes)  # its stratum's smallest and largest
     record.add_voucher(Scope("test-host", M.revision, "onnxruntime"), "verify",
                        len(plan.shapes), 0, plan.coverage(COUNTS))
     settings = FAST.with_(min_samples=2, window=2)  # forwards of 1,000+ tokens are slow here
@@ -351,7 +356,7 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     finally:
         runner.stop()
     assert [(r.rows, r.padded_tokens, r.num_threads) for r in served] == [
-        (6, 1380, 2), (7, 1750, 1), (9, 1080, 1)]
+        (6, 1344, 2), (7, 1792, 1), (9, 1080, 1)]
     assert tuner.tally.uncovered - uncovered == 2
     context = ThreadContext()
     try:
@@ -409,13 +414,14 @@ def test_mode2_without_a_sweep_serves_a_learned_count_only_for_shapes_traffic_ve
 def test_an_idle_mode2_worker_verifies_shapes_on_its_own(tmp_path):
     """R4.8: with no sweep, a mode-2 worker left idle verifies shapes itself: those it served,
     then the one-row shapes of the size ranges its traffic reached (16-31 here, from one
-    row of 30), none longer than the longest it served. Each is recorded one by one and
+    row of 30) that a forward padded to the length grid can have (16, 18, ..., 30), none
+    longer than the longest it served. Each is recorded one by one and
     covers exactly that shape."""
     backend = load_backend(M, "onnxruntime")
     path = tmp_path / "r.sqlite"
     runner, tuner = start(backend, HostRecord(path), AdaptiveMode.SERVE, 1, COUNTS)
     scope = Scope("test-host", M.revision, "onnxruntime")
-    wanted = {(1, n, 2, 1) for n in range(16, 31)}
+    wanted = {(1, n, 2, 1) for n in range(16, 31, 2)}  # the length grid: 16, 18, ..., 30
     try:
         serve_paced(runner, tuner, row(30))
         runner.engine.submit([row(20, 0), row(20, 1)]).result(timeout=60)
@@ -428,7 +434,8 @@ def test_an_idle_mode2_worker_verifies_shapes_on_its_own(tmp_path):
     assert (2, 20, 2, 1) in verified  # served, two rows
     assert not any(length > 30 for _, length, _, _ in verified)  # longer than any served
     assert tuner.side.verifier.verified >= len(wanted) - 1  # (1 x 30: a shadow's, maybe)
-    assert tuner.ledger.voucher.covers(1, 17, 2, 1) and not tuner.ledger.voucher.covers(1, 31, 2, 1)
+    assert tuner.ledger.voucher.covers(1, 18, 2, 1) and not tuner.ledger.voucher.covers(1, 31, 2, 1)
+    assert not any(length % 2 for _, length, _, _ in verified if length > 16)  # off the grid
 
 
 class ShadowCalls:

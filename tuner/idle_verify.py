@@ -1,7 +1,8 @@
 """Mode 2 verifies shapes in idle time (R4.8, the incremental voucher): the shapes its traffic
 served at the configured count for want of a voucher, most served first, then the one-row
 shapes of the size ranges traffic reached, shortest first (no longer than the longest
-served: the model's limit is not the tuner's to know).
+served: the model's limit is not the tuner's to know), on the length grid a mode 2 engine
+pads to (``runtime.sizes.grid_length``).
 
 How it works: the tuner notes each served forward whose shape no voucher covers at some
 allowed count (``note``, on the served path: a counter, and for the most served such shapes
@@ -33,7 +34,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from vllm_srun.runtime.sizes import size_range
+from vllm_srun.runtime.sizes import on_grid, size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.estimator import typical
 from vllm_srun.tuner.ledger import output_bits
@@ -130,6 +131,8 @@ class IdleVerifier:
             for length in range(max(2, lo), 2 * lo):
                 if length > self.longest:
                     break
+                if not on_grid(length, self.longest):  # no mode 2 forward has it
+                    continue
                 if todo := self._todo((1, length)):
                     return (1, length), todo
             self.ranges.discard(lo)

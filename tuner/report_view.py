@@ -66,8 +66,9 @@ def table(report: dict) -> str:
 
 def coverage_text(c: dict) -> str:
     """What one sweep covered, in words (the report and ``threads verify``)."""
-    text = (f"1-{c['max_rows']} rows x padded length {c['min_len']}-{c['max_len']}, several "
-            f"rows up to {c['max_padded']} padded tokens: ")
+    grid = " on the length grid" if c.get("grid") else ""
+    text = (f"1-{c['max_rows']} rows x padded length {c['min_len']}-{c['max_len']}{grid}, "
+            f"several rows up to {c['max_padded']} padded tokens: ")
     if c["sampled"] == c["above"]:
         return text + f"every shape ({c['shapes']})"
     return text + (f"every shape up to {c['exhaustive_padded']} padded tokens "

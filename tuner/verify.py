@@ -1,8 +1,9 @@
 """The voucher sweep (R4.8 amended): every forward shape the engine can run, at every allowed
 count, compared bit for bit with the configured count's answer.
 
-A shape is rows x padded length, as ``runtime.batching.next_batch`` forms it: at most
-``max_rows`` rows (``max_num_seqs``), a padded length up to the model's limit, and at most
+A shape is rows x padded length, as a mode 2 engine forms it (``runtime.batching.next_batch``,
+its length padded to the grid, ``runtime.sizes.grid_length``): at most ``max_rows`` rows
+(``max_num_seqs``), a padded length on the grid up to the model's limit, and at most
 ``max_padded`` padded tokens (``max_num_batched_tokens``) unless the forward is one row.
 Every shape up to ``EXHAUSTIVE_PADDED`` padded tokens is swept; above it, where shapes are
 many and forwards long, a stratified sample: per stratum (size range of padded tokens x
@@ -28,7 +29,7 @@ import numpy as np
 from vllm_srun.records.host_record import Coverage
 from vllm_srun.runtime.batching import length_bucket
 from vllm_srun.runtime.engine import pad
-from vllm_srun.runtime.sizes import size_range
+from vllm_srun.runtime.sizes import on_grid, size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.ledger import output_bits
 
@@ -46,6 +47,7 @@ class ShapeBounds:
     max_len: int
     max_padded: int
     min_len: int = 2  # a tokenized input has at least its two special tokens
+    grid: bool = True  # padded lengths on the length grid only (a mode 2 engine's)
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_len", "max_padded", "min_len"):
@@ -56,8 +58,9 @@ class ShapeBounds:
 
     def shapes(self) -> list[Shape]:
         """Every shape within the bounds, smallest first."""
-        out = [(rows, length) for rows in range(1, self.max_rows + 1)
-               for length in range(self.min_len, self.max_len + 1)
+        lengths = [n for n in range(self.min_len, self.max_len + 1)
+                   if not self.grid or on_grid(n, self.max_len)]
+        out = [(rows, length) for rows in range(1, self.max_rows + 1) for length in lengths
                if rows == 1 or rows * length <= self.max_padded]
         return sorted(out, key=lambda s: (s[0] * s[1], s))
 
@@ -73,7 +76,8 @@ class SweepPlan:
     def coverage(self, counts: tuple[int, ...]) -> Coverage:
         b = self.bounds
         return Coverage(tuple(sorted(counts)), b.max_rows, b.min_len, b.max_len, b.max_padded,
-                        self.exhaustive_padded, len(self.shapes), self.sampled, self.above)
+                        self.exhaustive_padded, len(self.shapes), self.sampled, self.above,
+                        b.grid)
 
 
 def plan_sweep(bounds: ShapeBounds, exhaustive_padded: int = EXHAUSTIVE_PADDED,

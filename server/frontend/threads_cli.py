@@ -22,7 +22,9 @@ def add_threads_commands(sub, add_threads_flags) -> None:
     threads = sub.add_parser("threads", help="what adaptive threads learned on this host")
     tsub = threads.add_subparsers(dest="threads_command", required=True)
     verify = tsub.add_parser(
-        "verify", help="sweep every forward shape the engine can run (rows x padded length) at "
+        "verify", help="sweep every forward shape a mode 2 engine can run (rows x padded length, "
+                       "the length padded up to the grid: every length to 16 tokens, then "
+                       "steps of at most 1/8 of the length) at "
                        "every allowed count and record whether all answers were bit-identical "
                        "and what was covered (the voucher mode 2 needs; mode 2 also verifies "
                        "the shapes its traffic brings, one by one). Shapes verified already "

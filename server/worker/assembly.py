@@ -109,6 +109,8 @@ class Worker:
             except HostRecordError as exc:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
+        if spec.mode is AdaptiveMode.SERVE:  # served shapes on the grid the sweep verifies
+            runner.pad_to_grid()
         shadows = ShadowProcess(manifest, backend.name.value, precision)
         free = FreeCpus(lambda: (shadows.process.pid,), worker=self.replica_id,
                         siblings=lambda: self.cores.share.sibling_pids() if self.cores else ())
