@@ -17,23 +17,29 @@ def range_label(padded_tokens: int) -> str:
 
 
 # Mode 2 serves a learned count only for shapes verified bit for bit, one forward per shape
-# (R4.8); padding a batch's length up to a coarse grid makes far fewer shapes to verify. A
-# step of at most 1/8 of the length bounds the padding added to a forward at 1/8 (4% on
-# average over lengths 17-256); lengths up to 16 keep step 1, where a step would cost most.
+# (R4.8); padding a batch's length up to a coarse grid makes far fewer shapes to verify, at
+# the cost of the padding. ``bench.length_grid`` measures both per step bound 1/2**shift on
+# the 2-vCPU Xeon: 1/4, 1/8, 1/16 leave the default sweep 0.18, 0.29, 0.47 of its padded
+# tokens and the bench mix's 51 lengths 8, 13, 22, for 1.105, 1.052, 1.024x the forward
+# time of one-row forwards of the mix. At 1/8 a busy mode 2 worker without a sweep ran
+# every forward at a verified shape from 4:02 on; at 1/16, 3.6% of the forwards of its fifth
+# minute still ran at the configured count for want of one (``bench.mode2_coverage``, one
+# run each): 1/8 covers the traffic within 5 minutes, the least padding that did.
 GRID_SHIFT = 3
 
 
-def grid_length(tokens: int, max_len: int) -> int:
+def grid_length(tokens: int, max_len: int, shift: int = GRID_SHIFT) -> int:
     """The padded length of a forward whose longest row has ``tokens`` tokens, on the length
     grid: ``tokens`` up to 16; above, rounded up to a multiple of the largest power of two
     not above ``tokens`` / 8 (17 -> 18, 100 -> 104, 300 -> 320); at most ``max_len`` (the
-    tokenizer's limit, itself on the grid)."""
-    if tokens < 2 << GRID_SHIFT:
+    tokenizer's limit, itself on the grid). ``shift``: the step's bound, 1/2**shift (the
+    other values are for ``bench.length_grid``)."""
+    if tokens < 2 << shift:
         return tokens
-    step = 1 << (tokens.bit_length() - 1 - GRID_SHIFT)
+    step = 1 << (tokens.bit_length() - 1 - shift)
     return max(tokens, min(-(-tokens // step) * step, max_len))
 
 
-def on_grid(length: int, max_len: int) -> bool:
+def on_grid(length: int, max_len: int, shift: int = GRID_SHIFT) -> bool:
     """Can a forward padded to the grid (``grid_length``) have ``length``?"""
-    return length == max_len or grid_length(length, max_len) == length
+    return length == max_len or grid_length(length, max_len, shift) == length

@@ -113,3 +113,13 @@ def test_a_grid_sweeps_voucher_covers_grid_lengths_and_an_older_one_every_length
     assert Coverage.from_json(json.dumps(older)).covers_shape(1, 17)
     with pytest.raises(ValueError, match="grid"):
         Coverage.from_json(cov.to_json().replace("true", '"yes"'))
+
+
+def test_the_bench_plans_the_products_grid_and_every_length_as_the_sweep_would():
+    from bench.length_grid import mix_bodies, plan_figures
+
+    ours = plan_sweep(ShapeBounds(max_rows=32, max_len=256, max_padded=16384)).shapes
+    assert len(ours) == 1051 and plan_figures(3, 256) == {
+        "shapes": 1051, "padded_tokens_per_count": sum(r * n for r, n in ours)}
+    assert plan_figures(None, 256)["shapes"] == 3030
+    assert len(set(mix_bodies(50))) == 50  # unique bodies, as the wrk script sends
