@@ -27,10 +27,10 @@ def length_bucket(tokens: int) -> int:
 
 
 def next_batch(pending: Sequence[PendingRow], max_num_seqs: int, max_num_batched_tokens: int,
-               pad_to: Callable[[int], int] | None = None) -> list[PendingRow]:
+               pad_to: Callable[[int, int], int] | None = None) -> list[PendingRow]:
     """Rows for the next forward; ``pending`` is in arrival order and not empty. ``pad_to``
-    gives the padded length from the longest row where the forward pads further (the
-    engine's length grid)."""
+    gives the padded length from the rows and the longest row where the forward pads
+    further (mode 2's length grid)."""
     bucket = length_bucket(pending[0].length)
     chosen: list[PendingRow] = []
     longest = 0
@@ -38,7 +38,8 @@ def next_batch(pending: Sequence[PendingRow], max_num_seqs: int, max_num_batched
         if length_bucket(row.length) != bucket:
             continue
         length = max(longest, row.length)
-        padded = (len(chosen) + 1) * (pad_to(length) if pad_to is not None else length)
+        rows = len(chosen) + 1
+        padded = rows * (pad_to(rows, length) if pad_to is not None else length)
         if chosen and padded > max_num_batched_tokens:
             continue
         chosen.append(row)

@@ -100,13 +100,15 @@ class _Request:
 
 
 def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None,
-        raw: list[bool] | None = None, to: Callable[[int], int] | None = None) -> TokenBatch:
-    """Pad rows to the longest, or to ``to(longest)`` tokens where given (the length grid);
+        raw: list[bool] | None = None, to: Callable[[int, int], int] | None = None
+        ) -> TokenBatch:
+    """Pad rows to the longest, or to ``to(rows, longest)`` tokens where given (mode 2's
+    length grid);
     ``type_ids`` (text pairs) gives the token type ids, where a row without them (None) has
     zeros; ``raw`` marks the rows answered raw."""
     longest = max(len(r) for r in rows)
     if to is not None:
-        longest = max(longest, to(longest))
+        longest = max(longest, to(len(rows), longest))
     ids = np.zeros((len(rows), longest), dtype=np.int64)
     mask = np.zeros((len(rows), longest), dtype=np.int64)
     for i, r in enumerate(rows):
@@ -146,9 +148,9 @@ class Engine:
         # onnxruntime's count is the session's, not the OS thread's: any thread may run it
         self._inline = not getattr(backend, "thread_bound", True)
         self.on_forward = on_forward
-        # the padded length of a served forward from its longest row (mode 2: the length grid,
-        # ``sizes.grid_length``); None: the longest row
-        self.pad_to: Callable[[int], int] | None = None
+        # the padded length of a served forward from its rows and its longest row (mode 2:
+        # ``sizes.padded_length``); None: the longest row
+        self.pad_to: Callable[[int, int], int] | None = None
         self._cond = threading.Condition()
         self._requests: dict[int, _Request] = {}
         self._pending: list[PendingRow] = []

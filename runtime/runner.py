@@ -17,7 +17,7 @@ from vllm_srun.runtime.backend import Backend, load_backend
 from vllm_srun.runtime.cache import ResultCache, cache_key
 from vllm_srun.runtime.engine import Engine, ThreadsPolicy, TimedFuture, stack_rows
 from vllm_srun.runtime.errors import ConfigError
-from vllm_srun.runtime.sizes import grid_length
+from vllm_srun.runtime.sizes import padded_length
 from vllm_srun.runtime.tokenizer import Tokenizer
 from vllm_srun.runtime.types import BackendName, EngineArgs, ForwardRecord, Manifest, TextInput
 
@@ -52,10 +52,11 @@ class Runner:
         self.ready = False
         self.not_ready_reason: str | None = "loading"
 
-    def pad_to_grid(self) -> None:
-        """Pad every served forward's length up to the length grid (``sizes.grid_length``):
-        a mode 2 worker's, whose shapes are verified one by one (R4.8)."""
-        self.engine.pad_to = partial(grid_length, max_len=self.tokenizer.max_tokens)
+    def pad_to_grid(self, exact: Callable[[int, int], bool] | None = None) -> None:
+        """Pad each served forward whose exact shape ``exact(rows, longest)`` does not cover
+        up to the length grid (``sizes.padded_length``): a mode 2 worker's, whose shapes are
+        verified one by one (R4.8)."""
+        self.engine.pad_to = partial(padded_length, max_len=self.tokenizer.max_tokens, exact=exact)
 
     @classmethod
     def load(cls, model: str | None, backend: BackendName | str, args: EngineArgs,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def size_range(padded_tokens: int) -> tuple[int, int]:
     """The range [lo, hi] holding ``padded_tokens``: 1-1, 2-3, 4-7, 8-15, ..."""
@@ -17,14 +19,15 @@ def range_label(padded_tokens: int) -> str:
 
 
 # Mode 2 serves a learned count only for shapes verified bit for bit, one forward per shape
-# (R4.8); padding a batch's length up to a coarse grid makes far fewer shapes to verify, at
-# the cost of the padding. ``bench.length_grid`` measures both per step bound 1/2**shift on
-# the 2-vCPU Xeon: 1/4, 1/8, 1/16 leave the default sweep 0.18, 0.29, 0.47 of its padded
-# tokens and the bench mix's 51 lengths 8, 13, 22, for 1.105, 1.052, 1.024x the forward
-# time of one-row forwards of the mix. At 1/8 a busy mode 2 worker without a sweep ran
-# every forward at a verified shape from 4:02 on; at 1/16, 3.6% of the forwards of its fifth
-# minute still ran at the configured count for want of one (``bench.mode2_coverage``, one
-# run each): 1/8 covers the traffic within 5 minutes, the least padding that did.
+# (R4.8); padding the length of a forward no sweep covers up to a coarse grid makes far
+# fewer shapes to verify, at the cost of the padding. ``bench.length_grid`` measures both
+# per step bound 1/2**shift on the 2-vCPU Xeon: 1/4, 1/8, 1/16 leave the default sweep
+# 0.18, 0.29, 0.47 of its padded tokens and the bench mix's 51 lengths 8, 13, 22, for
+# 1.105, 1.052, 1.024x the forward time of one-row forwards of the mix. At 1/8 a busy
+# mode 2 worker without a sweep ran every forward at a verified shape from 4:02 on; at
+# 1/16, 3.6% of the forwards of its fifth minute still ran at the configured count for want
+# of one (``bench.mode2_coverage``, one run each): 1/8 covers the traffic within 5 minutes,
+# the least padding that did.
 GRID_SHIFT = 3
 
 
@@ -38,6 +41,16 @@ def grid_length(tokens: int, max_len: int, shift: int = GRID_SHIFT) -> int:
         return tokens
     step = 1 << (tokens.bit_length() - 1 - shift)
     return max(tokens, min(-(-tokens // step) * step, max_len))
+
+
+def padded_length(rows: int, longest: int, max_len: int,
+                  exact: Callable[[int, int], bool] | None = None) -> int:
+    """A mode 2 forward's padded length: the longest row where ``exact(rows, longest)`` (a
+    sweep or a shape verified one by one covers that exact shape, so it needs no grid),
+    else ``grid_length``."""
+    if exact is not None and exact(rows, longest):
+        return longest
+    return grid_length(longest, max_len)
 
 
 def on_grid(length: int, max_len: int, shift: int = GRID_SHIFT) -> bool:

@@ -329,7 +329,7 @@ def start(backend, record, mode, configured, counts, settings=FAST, reference=Tr
                             paid_forward=functools.partial(shadow_forward, paid=True))
     runner.engine.threads = tuner
     if mode is AdaptiveMode.SERVE:  # as a mode 2 worker (server/worker/assembly.py)
-        runner.pad_to_grid()
+        runner.pad_to_grid(tuner.runs_exactly)
     runner.start(check=lambda: tuner.startup(
         golden_rows(runner.tokenizer),
         reference_outputs(manifest.revision) if reference else None))

@@ -9,7 +9,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-from functools import partial
 
 import numpy as np
 import pytest
@@ -20,7 +19,6 @@ from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.runner import Runner
-from vllm_srun.runtime.sizes import grid_length
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.tuner.adaptive import AdaptiveThreads, output_bits
@@ -97,14 +95,14 @@ def test_onnxruntime_mode2_serves_learned_counts_and_never_moves_an_answer(backe
     scope = Scope("test-host", M.revision, "onnxruntime")
     plan = plan_sweep(ShapeBounds(max_rows=1, max_len=128, max_padded=128))  # what is served
     res = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
-    assert res.mismatches == 0 and res.comparisons == len(plan.shapes) == 39  # the length grid
+    assert res.mismatches == 0 and res.comparisons == 127
     record.add_voucher(scope, "verify", res.comparisons, res.mismatches, plan.coverage((1, 2)))
     rng = np.random.default_rng(7)
     lengths = np.exp(rng.uniform(np.log(3), np.log(128), 300)).astype(int)
     rows = [row(int(n), i) for i, n in enumerate(lengths)]
-    context = ThreadContext()  # answers at the configured count, padded as mode 2 pads
-    grid = partial(grid_length, max_len=M.max_tokens)
-    references = [context.run(1, lambda r=r: backend.forward(pad([r], to=grid), 1)).outputs
+    context = ThreadContext()  # answers at the configured count (the sweep covers every
+    # length: mode 2 pads none of these to the grid)
+    references = [context.run(1, lambda r=r: backend.forward(pad([r]), 1)).outputs
                   for r in rows]
     context.shutdown()
     runner, tuner = start(SlowerAt(backend, 1, 5.0), record, AdaptiveMode.SERVE, 1, (1, 2))
@@ -144,8 +142,9 @@ def test_mode2_without_a_sweep_says_why_and_serves_only_shapes_traffic_verified(
                                                                                tmp_path):
     """R4.6, R4.8: with no sweep, mode 2 starts as mode 1 and its report says why; what it
     serves at another count afterwards is only a shape its own shadows verified (one row of
-    104 tokens at 2 threads against 1, or in idle time a shorter one-row shape of its range),
-    never one they did not (one row of 105 tokens, padded to 112, longer than any served)."""
+    104 tokens at 2 threads against 1, or in idle time a shorter one-row shape of its range,
+    on the length grid it pads to with no sweep), never one they did not (one row of 105
+    tokens, padded to 112, longer than any served)."""
     record = HostRecord(tmp_path / "r.sqlite")
     runner, tuner = start(backends["onnxruntime"], record, AdaptiveMode.SERVE, 1, (1, 2))
     try:

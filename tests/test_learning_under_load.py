@@ -243,7 +243,7 @@ def test_mode2_under_saturation_learns_every_range_it_serves_while_the_load_last
     scope = Scope("test-host", manifest.revision, "onnxruntime")
     plan = plan_sweep(ShapeBounds(max_rows=8, max_len=40, max_padded=320))  # the engine's
     swept = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
-    assert swept.mismatches == 0 and swept.comparisons == len(plan.shapes) == 200
+    assert swept.mismatches == 0 and swept.comparisons > 250
     record.add_voucher(scope, "verify", swept.comparisons, 0, plan.coverage((1, 2)))
 
     pauses: list[bool] = []

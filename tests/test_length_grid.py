@@ -1,9 +1,10 @@
-"""R4.8 with R3.1: a mode 2 worker pads each forward's length up to the length grid
-(``runtime.sizes.grid_length``: every length up to 16, then steps of at most 1/8 of the
-length), so the shapes a voucher must verify one by one are the grid's, not every length;
-other modes pad to the longest row as before. The grid is restated here, the padding it adds
-is bounded, the batch limit counts the padded length, and a real worker in mode 2 runs its
-forwards on the grid with answers within 1e-5 of the same worker in mode 0."""
+"""R4.8 with R3.1: a mode 2 worker pads a forward whose exact shape no sweep (and no shape
+verified one by one) covers up to the length grid (``runtime.sizes.grid_length``: every
+length up to 16, then steps of at most 1/8 of the length), so the shapes it must verify one
+by one are the grid's, not every length; a shape a sweep covers runs as it comes, and other
+modes pad to the longest row. The grid is restated here, the padding it adds is bounded, the
+batch limit counts the padded length, and a real worker in mode 2 runs its forwards on the
+grid with answers within 1e-5 of the same worker in mode 0, or unpadded once swept."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import FAST, L6
+from tests.conftest import FAST, L6, wait_for
+from vllm_srun.records.host_record import HostRecord
 from vllm_srun.records.voucher import Coverage
+from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.batching import PendingRow, next_batch
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.sizes import grid_length, on_grid
@@ -22,7 +25,7 @@ from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.server.worker.assembly import Worker
 from vllm_srun.server.worker.spec import WorkerSpec
 from vllm_srun.tuner.modes import AdaptiveMode
-from vllm_srun.tuner.verify import ShapeBounds, plan_sweep
+from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
 
 def test_the_grid_keeps_short_lengths_and_steps_by_at_most_an_eighth_above():
@@ -41,13 +44,13 @@ def test_the_grid_keeps_short_lengths_and_steps_by_at_most_an_eighth_above():
 def test_the_batch_limit_counts_the_length_the_grid_pads_to():
     rows = [PendingRow(request_id=i, index=0, length=n) for i, n in enumerate((100, 97, 99))]
     assert len(next_batch(rows, 32, 300)) == 3  # 3 x 100
-    padded = next_batch(rows, 32, 300, lambda n: grid_length(n, 512))
+    padded = next_batch(rows, 32, 300, lambda rows, n: grid_length(n, 512))
     assert [r.length for r in padded] == [100, 97]  # 3 x 104 would be 312
 
 
 def test_pad_to_the_grid_pads_ids_mask_and_token_types_with_zeros():
     batch = pad([[101, 5, 102], [101, 7, 8, 9, 102]] + [[101] + [3] * 15 + [102]],
-                [None, [0, 0, 0, 1, 1], None], to=lambda n: grid_length(n, 512))
+                [None, [0, 0, 0, 1, 1], None], to=lambda rows, n: grid_length(n, 512))
     assert batch.input_ids.shape == (3, 18)  # the longest, 17, padded to 18
     assert batch.attention_mask.sum(axis=1).tolist() == [3, 5, 17]
     assert batch.token_type_ids[1].tolist() == [0, 0, 0, 1, 1] + [0] * 13
@@ -68,7 +71,10 @@ class ShapeNotes:
         return getattr(self._backend, name)
 
 
-def served(mode: AdaptiveMode, tmp_path: Path, texts: list[str]):
+def served(mode: AdaptiveMode, tmp_path: Path, texts: list[str], swept: int = 0):
+    """Each text served alone by a real worker in ``mode``: token counts, the shapes the
+    backend ran, the answers. ``swept``: first a real sweep of one row of every length up
+    to that many tokens, recorded as the worker's voucher."""
     shapes: list = []
     spec = WorkerSpec(L6, "onnxruntime", EngineArgs(num_threads=1, cache_entries=0), budget=2,
                       mode=mode, record_path=str(tmp_path / f"{mode.name}.sqlite"),
@@ -77,6 +83,8 @@ def served(mode: AdaptiveMode, tmp_path: Path, texts: list[str]):
     runner = made.load()
     try:
         assert runner.ready, runner.not_ready_reason
+        if swept:
+            vouch(made, tmp_path, swept)
         rows = runner.tokenizer.encode(texts, truncate=True)
         shapes.clear()  # the warm pass and the golden check
         answers = [runner.engine.submit([r]).result(timeout=60)[0] for r in rows]
@@ -104,8 +112,30 @@ def test_a_mode_2_worker_serves_on_the_grid_with_the_answers_of_mode_0(tmp_path)
     assert np.abs(on - off).max() < 1e-5
 
 
+def vouch(made: Worker, tmp_path: Path, longest: int) -> None:
+    plan = plan_sweep(ShapeBounds(max_rows=1, max_len=longest, max_padded=longest))
+    backend = load_backend(made.manifest, "onnxruntime")
+    checked = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
+    backend.close()
+    assert checked.mismatches == 0 and checked.comparisons == len(plan.shapes)
+    HostRecord(made.record_path).add_voucher(made.tuner.sync.scope, "verify",
+                                             checked.comparisons, 0, plan.coverage((1, 2)))
+    assert wait_for(lambda: made.tuner.ledger.voucher.swept, 30)
+
+
+def test_a_mode_2_worker_runs_a_shape_a_sweep_covers_as_it_comes(tmp_path):
+    texts = ["a query of a handful of words that runs past sixteen tokens in all, surely",
+             "a longer passage " * 25]  # 77 tokens: padded to 80
+    lengths, shapes, on = served(AdaptiveMode.SERVE, tmp_path, texts, swept=64)
+    assert lengths[0] < 64 < lengths[1] and grid_length(lengths[1], 512) != lengths[1]
+    assert shapes == [(1, lengths[0]), (1, grid_length(lengths[1], 512))]  # swept: exact
+    _, _, off = served(AdaptiveMode.OFF, tmp_path, texts)
+    assert np.array_equal(on[0], off[0]) and np.abs(on - off).max() < 1e-5
+
+
 def test_a_grid_sweeps_voucher_covers_grid_lengths_and_an_older_one_every_length():
-    cov = plan_sweep(ShapeBounds(max_rows=2, max_len=64, max_padded=128)).coverage((1, 2))
+    cov = plan_sweep(ShapeBounds(max_rows=2, max_len=64, max_padded=128, grid=True)
+                     ).coverage((1, 2))
     assert cov.grid and cov.shapes == 2 * len([n for n in range(2, 65) if on_grid(n, 64)])
     assert cov.covers_shape(1, 18) and cov.covers_shape(2, 64) and not cov.covers_shape(1, 17)
     older = json.loads(cov.to_json())
@@ -118,7 +148,9 @@ def test_a_grid_sweeps_voucher_covers_grid_lengths_and_an_older_one_every_length
 def test_the_bench_plans_the_products_grid_and_every_length_as_the_sweep_would():
     from bench.length_grid import mix_bodies, plan_figures
 
-    ours = plan_sweep(ShapeBounds(max_rows=32, max_len=256, max_padded=16384)).shapes
+    grid = plan_sweep(ShapeBounds(max_rows=32, max_len=256, max_padded=16384, grid=True))
+    assert (len(grid.shapes) - grid.sampled, grid.sampled, grid.above) == (1023, 28, 481)
+    ours = grid.shapes
     assert len(ours) == 1051 and plan_figures(3, 256) == {
         "shapes": 1051, "padded_tokens_per_count": sum(r * n for r, n in ours)}
     assert plan_figures(None, 256)["shapes"] == 3030

@@ -1,10 +1,8 @@
-"""R4.8, the sweep plan above 1,024 padded tokens: every shape up to 1,024 padded tokens (its
-length on the grid a mode 2 engine pads to: every length up to 16, then multiples of the
-largest power of two not above 1/8 of the length, and the model's limit), and
+"""R4.8, the sweep plan above 1,024 padded tokens: every shape up to 1,024 padded tokens, and
 above it a stratified sample (per size range of padded tokens x power-of-two row count: its
 smallest shape, its largest and one drawn by a seed) that is the same for the same seed. The
 bounds are a long-input worker's (32 rows, lengths 2-512, 8,192 padded tokens), where the
-shapes above 1,024 tokens are hundreds."""
+shapes above 1,024 tokens are thousands."""
 
 from __future__ import annotations
 
@@ -16,16 +14,10 @@ from vllm_srun.tuner.verify import ShapeBounds, plan_sweep
 BIG = ShapeBounds(max_rows=32, max_len=512, max_padded=8192)
 
 
-def on_grid(n: int, max_len: int) -> bool:
-    """The grid, restated: 2-16, 18, 20, ..., 32, 36, ..., 64, 72, ... and the limit."""
-    step = max(1, 2 ** (n.bit_length() - 1) // 8)
-    return n <= 16 or n % step == 0 or n == max_len
-
-
 def every_shape(b: ShapeBounds) -> set[tuple[int, int]]:
     """Every (rows, padded length) the engine can form within ``b``, counted here afresh."""
     return {(rows, n) for rows in range(1, b.max_rows + 1) for n in range(b.min_len, b.max_len + 1)
-            if (rows == 1 or rows * n <= b.max_padded) and on_grid(n, b.max_len)}
+            if rows == 1 or rows * n <= b.max_padded}
 
 
 def strata(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -45,7 +37,7 @@ def plan():
 def test_every_shape_up_to_1024_padded_tokens_is_swept(plan):
     everything = every_shape(BIG)
     small = {s for s in everything if s[0] * s[1] <= 1024}
-    assert len(small) == 1041
+    assert len(small) == 3599
     assert small <= set(plan.shapes)
     assert set(plan.shapes) <= everything and len(set(plan.shapes)) == len(plan.shapes)
     assert [s[0] * s[1] for s in plan.shapes] == sorted(s[0] * s[1] for s in plan.shapes)
@@ -53,7 +45,7 @@ def test_every_shape_up_to_1024_padded_tokens_is_swept(plan):
 
 def test_each_stratum_above_1024_is_sampled_with_its_smallest_and_largest_shape(plan):
     by_stratum = strata(every_shape(BIG))
-    assert len(by_stratum) == 14 and sum(map(len, by_stratum.values())) == 630
+    assert len(by_stratum) == 14 and sum(map(len, by_stratum.values())) == 10108
     chosen = {s for s in plan.shapes if s[0] * s[1] > 1024}
     for key, members in sorted(by_stratum.items()):
         picked = chosen & set(members)
@@ -61,10 +53,10 @@ def test_each_stratum_above_1024_is_sampled_with_its_smallest_and_largest_shape(
         assert min(members, key=lambda s: (s[0] * s[1], s)) in picked, key
         assert max(members, key=lambda s: (s[0] * s[1], s)) in picked, key
     assert chosen <= {s for members in by_stratum.values() for s in members}
-    assert (plan.sampled, plan.above) == (len(chosen), 630) == (38, 630)
+    assert (plan.sampled, plan.above) == (len(chosen), 10108) == (38, 10108)
     cov = plan.coverage((1, 2))
-    assert (cov.exhaustive_padded, cov.shapes, cov.sampled, cov.above, cov.grid) == (
-        1024, 1079, 38, 630, True)
+    assert (cov.exhaustive_padded, cov.shapes, cov.sampled, cov.above) == (1024, 3637, 38,
+                                                                           10108)
 
 
 def test_the_plan_is_the_same_for_a_seed_and_its_random_picks_follow_the_seed(plan):
@@ -77,6 +69,6 @@ def test_the_plan_is_the_same_for_a_seed_and_its_random_picks_follow_the_seed(pl
 
 def test_the_defaults_for_minilm_are_the_readme_figures():
     """README: for all-MiniLM-L6-v2 (lengths up to 256) at the defaults, 32 rows and 16,384
-    padded tokens, "1,023 shapes plus 28 of the 481 above"."""
+    padded tokens, "3,002 shapes plus 28 of the 5,158 above"."""
     p = plan_sweep(ShapeBounds(max_rows=32, max_len=256, max_padded=16384))
-    assert (len(p.shapes) - p.sampled, p.sampled, p.above) == (1023, 28, 481)
+    assert (len(p.shapes) - p.sampled, p.sampled, p.above) == (3002, 28, 5158)

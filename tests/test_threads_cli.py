@@ -22,23 +22,23 @@ SMALL = ("--max-num-seqs", "2", "--max-num-batched-tokens", "48", "--max-tokens"
 
 def test_verify_report_reset(tmp_path):
     """R4.8, R4.10: the sweep covers every shape within the bounds given (2 rows, 48 padded
-    tokens, lengths 2-40 on the length grid: 44 shapes), says so and records it; a reset
-    retires the voucher and a new sweep vouches again."""
+    tokens, lengths 2-40: 62 shapes), says so and records it; a reset retires the voucher and
+    a new sweep vouches again."""
     record = str(tmp_path / "r.sqlite")
     verify = ("threads", "verify", L3, "--threads", "1", "--max-threads", "2", "--record",
               record, *SMALL)
     r = run_cli(*verify)
     assert r.returncode == 0, r.stderr
-    assert "bit-identical across counts [1, 2] in all 44 comparisons" in r.stdout
-    assert "covered: counts [1, 2]; 1-2 rows x padded length 2-40 on the length grid, several " \
-           "rows up to 48 padded tokens: every shape (44)" in r.stdout
-    assert "verify: 44/44 shapes, 44 comparisons, 0 mismatches" in r.stderr
+    assert "bit-identical across counts [1, 2] in all 62 comparisons" in r.stdout
+    assert "covered: counts [1, 2]; 1-2 rows x padded length 2-40, several rows up to 48 " \
+           "padded tokens: every shape (62)" in r.stdout
+    assert "verify: 62/62 shapes, 62 comparisons, 0 mismatches" in r.stderr
     r = run_cli("threads", "report", "--record", record, "--json")
     (rep,) = json.loads(r.stdout)["reports"]
-    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 44
+    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 62
     (cov,) = rep["voucher"]["coverage"]
     assert (cov["counts"], cov["max_rows"], cov["min_len"], cov["max_len"], cov["max_padded"],
-            cov["shapes"]) == ([1, 2], 2, 2, 40, 48, 44)
+            cov["shapes"]) == ([1, 2], 2, 2, 40, 48, 62)
     png = tmp_path / "plot.png"
     r = run_cli("threads", "report", "--record", record, "--plot", str(png))
     assert r.returncode == 0 and "voucher: yes" in r.stdout and "vouched: counts [1, 2]" \
@@ -52,22 +52,22 @@ def test_verify_report_reset(tmp_path):
     assert run_cli(*verify).returncode == 0
     (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
         "reports"]
-    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 44
+    assert rep["voucher"]["vouches"] and rep["voucher"]["comparisons"] == 62
 
 
 def test_a_bounded_sweep_vouches_for_exactly_what_it_compared_and_a_rerun_goes_on(tmp_path):
-    """R4.8: `--max-shapes 10` compares 10 of the 44 shapes, records each one by one and says
+    """R4.8: `--max-shapes 10` compares 10 of the 62 shapes, records each one by one and says
     what it left; it vouches for no bounds (no coverage), only those shapes. A run without
-    the bound skips the 10, compares the other 34 and records the bounds: 44 comparisons in
+    the bound skips the 10, compares the other 52 and records the bounds: 62 comparisons in
     all, each shape once."""
     record = str(tmp_path / "r.sqlite")
     verify = ("threads", "verify", L3, "--threads", "1", "--max-threads", "2", "--record",
               record, *SMALL)
     r = run_cli(*verify, "--max-shapes", "10")
     assert r.returncode == 0, r.stderr
-    assert "0 verified already, 44 to compare" in r.stderr and "at most 10 shapes" in r.stderr
-    assert "stopped at --max-shapes: 10 of 44 shapes compared, bit-identical" in r.stdout
-    assert "34 left: run again to go on" in r.stdout
+    assert "0 verified already, 62 to compare" in r.stderr and "at most 10 shapes" in r.stderr
+    assert "stopped at --max-shapes: 10 of 62 shapes compared, bit-identical" in r.stdout
+    assert "52 left: run again to go on" in r.stdout
     (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
         "reports"]
     v = rep["voucher"]
@@ -75,15 +75,15 @@ def test_a_bounded_sweep_vouches_for_exactly_what_it_compared_and_a_rerun_goes_o
     assert v["shapes_verified"] == {"2": 10}
     r = run_cli(*verify)
     assert r.returncode == 0, r.stderr
-    assert "10 verified already, 34 to compare" in r.stderr
-    assert "bit-identical across counts [1, 2] in all 34 comparisons" in r.stdout
+    assert "10 verified already, 52 to compare" in r.stderr
+    assert "bit-identical across counts [1, 2] in all 52 comparisons" in r.stdout
     (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
         "reports"]
     v = rep["voucher"]
-    assert (v["vouches"], v["swept"], v["comparisons"]) == (True, True, 44)
-    assert v["shapes_verified"] == {"2": 44} and v["coverage"][0]["shapes"] == 44
+    assert (v["vouches"], v["swept"], v["comparisons"]) == (True, True, 62)
+    assert v["shapes_verified"] == {"2": 62} and v["coverage"][0]["shapes"] == 62
     text = run_cli("threads", "report", "--record", record).stdout
-    assert "shapes verified one by one against the configured count: 44 at 2 threads" in text
+    assert "shapes verified one by one against the configured count: 62 at 2 threads" in text
     r = run_cli(*verify)
     assert r.returncode == 0 and "every shape of the sweep was verified already" in r.stdout
 

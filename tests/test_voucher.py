@@ -325,16 +325,16 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     sweep since the last reset had both that count and the configured count and the forward's
     shape lies in its bounds; other forwards of the range run at the configured count and the
     report counts them". Above 1,024 padded tokens a sweep samples, so a shape in its bounds
-    that it did not run (6 x 224, on the length grid) is served at the learned count; shapes
-    of the same range outside its bounds (7 x 250, padded to 7 x 256, over its 1,536 padded
-    tokens; 9 rows over its 8) are not. The
+    that it did not run (6 x 230) is served at the learned count, as it comes (the sweep
+    covers its exact shape: no grid); shapes of the same range outside its bounds (7 x 250,
+    padded to the grid's 7 x 256, over its 1,536 padded tokens; 9 rows over its 8) are not. The
     voucher is what a sweep of this plan records (sweeps themselves: test_threads_cli)."""
     backend = load_backend(M, "onnxruntime")
     record = HostRecord(tmp_path / "r.sqlite")
     plan = plan_sweep(ShapeBounds(max_rows=8, max_len=256, max_padded=1536))
-    unswept = (6, 224)
+    unswept = (6, 230)
     assert unswept not in plan.shapes and 0 < plan.sampled < plan.above
-    assert {(5, 208), (6, 256)} <= set(plan.shapes)  # its stratum's smallest and largest
+    assert {(5, 205), (6, 256)} <= set(plan.shapes)  # its stratum's smallest and largest
     record.add_voucher(Scope("test-host", M.revision, "onnxruntime"), "verify",
                        len(plan.shapes), 0, plan.coverage(COUNTS))
     settings = FAST.with_(min_samples=2, window=2)  # forwards of 1,000+ tokens are slow here
@@ -356,7 +356,7 @@ def test_mode2_serves_an_unswept_shape_above_1024_inside_the_sweeps_bounds(tmp_p
     finally:
         runner.stop()
     assert [(r.rows, r.padded_tokens, r.num_threads) for r in served] == [
-        (6, 1344, 2), (7, 1792, 1), (9, 1080, 1)]
+        (6, 1380, 2), (7, 1792, 1), (9, 1080, 1)]
     assert tuner.tally.uncovered - uncovered == 2
     context = ThreadContext()
     try:

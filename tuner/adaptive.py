@@ -174,6 +174,16 @@ class AdaptiveThreads(ShadowSteps):
                  self.mode, self.configured, list(self.counts), retired)
         return None
 
+    def runs_exactly(self, rows: int, length: int) -> bool:
+        """Does the voucher cover this exact shape beside the configured count (a sweep's
+        bounds, or the shape verified itself)? A mode 2 engine then runs it as it comes;
+        other forwards pad to the length grid, whose shapes it verifies one by one
+        (``Runner.pad_to_grid``). Read on the engine's thread: the voucher is replaced
+        whole, never changed in place."""
+        v = self.ledger.voucher
+        return v.vouches and any(v.covers(rows, length, n, self.configured)
+                                 for n in self.counts if n != self.configured)
+
     # -- ThreadsPolicy ---------------------------------------------------------------------
     def served_threads(self, batch: TokenBatch) -> int:
         """The count for a served forward about to start (it counts as running from now):

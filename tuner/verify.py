@@ -1,10 +1,11 @@
 """The voucher sweep (R4.8 amended): every forward shape the engine can run, at every allowed
 count, compared bit for bit with the configured count's answer.
 
-A shape is rows x padded length, as a mode 2 engine forms it (``runtime.batching.next_batch``,
-its length padded to the grid, ``runtime.sizes.grid_length``): at most ``max_rows`` rows
-(``max_num_seqs``), a padded length on the grid up to the model's limit, and at most
+A shape is rows x padded length, as ``runtime.batching.next_batch`` forms it: at most
+``max_rows`` rows (``max_num_seqs``), a padded length up to the model's limit, and at most
 ``max_padded`` padded tokens (``max_num_batched_tokens``) unless the forward is one row.
+With ``grid``, only the lengths on the grid a mode 2 engine pads to the shapes no sweep
+covers (``runtime.sizes.grid_length``): a third of the shapes, whose workers then pad.
 Every shape up to ``EXHAUSTIVE_PADDED`` padded tokens is swept; above it, where shapes are
 many and forwards long, a stratified sample: per stratum (size range of padded tokens x
 power-of-two row count) its largest shape, its smallest and ``per_stratum - 2`` drawn at
@@ -47,7 +48,7 @@ class ShapeBounds:
     max_len: int
     max_padded: int
     min_len: int = 2  # a tokenized input has at least its two special tokens
-    grid: bool = True  # padded lengths on the length grid only (a mode 2 engine's)
+    grid: bool = False  # padded lengths on the length grid only (``threads verify --grid``)
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_len", "max_padded", "min_len"):

@@ -22,9 +22,7 @@ def add_threads_commands(sub, add_threads_flags) -> None:
     threads = sub.add_parser("threads", help="what adaptive threads learned on this host")
     tsub = threads.add_subparsers(dest="threads_command", required=True)
     verify = tsub.add_parser(
-        "verify", help="sweep every forward shape a mode 2 engine can run (rows x padded length, "
-                       "the length padded up to the grid: every length to 16 tokens, then "
-                       "steps of at most 1/8 of the length) at "
+        "verify", help="sweep every forward shape the engine can run (rows x padded length) at "
                        "every allowed count and record whether all answers were bit-identical "
                        "and what was covered (the voucher mode 2 needs; mode 2 also verifies "
                        "the shapes its traffic brings, one by one). Shapes verified already "
@@ -60,6 +58,12 @@ def add_threads_commands(sub, add_threads_flags) -> None:
     verify.add_argument("--max-tokens", type=_positive("--max-tokens"), default=None,
                         help="longest padded length to cover (default: the model's limit); "
                              "longer forwards stay at the configured count in mode 2")
+    verify.add_argument("--grid", action="store_true",
+                        help="only the padded lengths of the grid mode 2 pads the shapes no "
+                             "sweep covers to (every length up to 16 tokens, then steps of at "
+                             "most 1/8 of the length): about a third of the shapes, and mode 2 "
+                             "then pads its forwards to the grid (about 5%% more forward time "
+                             "at one row; default: every length, no padding)")
     verify.add_argument("--budget-s", type=_positive("--budget-s"), default=None,
                         help="stop after this many seconds; the shapes compared by then are "
                              "recorded one by one (mode 2 serves learned counts for exactly "
@@ -137,7 +141,7 @@ def _verify(args: argparse.Namespace) -> int:
                           f"{manifest.max_tokens} tokens")
     try:
         bounds = ShapeBounds(args.max_num_seqs, longest, args.max_num_batched_tokens,
-                             args.min_tokens)
+                             args.min_tokens, grid=args.grid)
     except ValueError as exc:
         raise ConfigError(f"threads verify: {exc}".replace("min_len", "--min-tokens")
                           .replace("max_len", "--max-tokens")) from exc

@@ -109,8 +109,6 @@ class Worker:
             except HostRecordError as exc:
                 error = str(exc)
         runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
-        if spec.mode is AdaptiveMode.SERVE:  # served shapes on the grid the sweep verifies
-            runner.pad_to_grid()
         shadows = ShadowProcess(manifest, backend.name.value, precision)
         free = FreeCpus(lambda: (shadows.process.pid,), worker=self.replica_id,
                         siblings=lambda: self.cores.share.sibling_pids() if self.cores else ())
@@ -132,6 +130,8 @@ class Worker:
                                         else "") + f"pid {os.getpid()}")
         tuner.sync.error = tuner.sync.error or error
         runner.engine.threads = tuner
+        if spec.mode is AdaptiveMode.SERVE:  # shapes no sweep covers: on the length grid
+            runner.pad_to_grid(tuner.runs_exactly)
         self.tuner = tuner
         self._share_cores(runner, free.held)
         tolerance = reference_tolerance(precision, spec.quality_gate.min_cosine)
