@@ -88,6 +88,21 @@ def test_a_bounded_sweep_vouches_for_exactly_what_it_compared_and_a_rerun_goes_o
     assert r.returncode == 0 and "every shape of the sweep was verified already" in r.stdout
 
 
+def test_a_grid_sweep_covers_the_lengths_of_the_grid_only(tmp_path):
+    """R4.8: `--grid` sweeps only the padded lengths of the grid mode 2 pads to (2-16, 18,
+    20, ..., 32, 36, 40: 44 of the 62 shapes) and records that it covered those only."""
+    record = str(tmp_path / "r.sqlite")
+    r = run_cli("threads", "verify", L3, "--threads", "1", "--max-threads", "2", "--record",
+                record, *SMALL, "--grid")
+    assert r.returncode == 0, r.stderr
+    assert "covered: counts [1, 2]; 1-2 rows x padded length 2-40 on the length grid, several " \
+           "rows up to 48 padded tokens: every shape (44)" in r.stdout
+    (rep,) = json.loads(run_cli("threads", "report", "--record", record, "--json").stdout)[
+        "reports"]
+    (cov,) = rep["voucher"]["coverage"]
+    assert cov["grid"] and cov["shapes"] == 44 and rep["voucher"]["comparisons"] == 44
+
+
 def test_verify_with_one_count_records_nothing(tmp_path):
     """R4.8: a sweep that compares nothing vouches for nothing, and says so."""
     record = tmp_path / "r.sqlite"
