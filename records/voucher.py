@@ -8,17 +8,16 @@ import functools
 import json
 from dataclasses import asdict, dataclass, field
 
-from vllm_srun.runtime.sizes import on_grid
-
 
 @dataclass(frozen=True)
 class Coverage:
     """What one ``threads verify`` sweep compared (R4.8): the thread counts, and the forward
     shapes (rows x padded length) within these bounds. Shapes up to ``exhaustive_padded``
     padded tokens were all swept; above it ``sampled`` of the ``above`` shapes there were, a
-    stratified sample (``sampled == above`` when the sweep was exhaustive). ``grid``: only
-    the padded lengths on the length grid (``runtime.sizes.grid_length``), those a mode 2
-    engine forms; a sweep recorded without it covered every length."""
+    stratified sample (``sampled == above`` when the sweep was exhaustive). ``grid``: the
+    sweep ran only the padded lengths of the length grid of that step (``on_grid``; mode 2
+    pads the shapes nothing covers to it, ``runtime.sizes.grid_length``); None (and every
+    sweep recorded before the grid): every length."""
 
     counts: tuple[int, ...]
     max_rows: int  # max_num_seqs
@@ -29,12 +28,12 @@ class Coverage:
     shapes: int  # shapes swept in all
     sampled: int = 0
     above: int = 0
-    grid: bool = False
+    grid: int | None = None  # the grid's step bound 1/2**grid, as recorded
 
     def covers_shape(self, rows: int, length: int) -> bool:
         return (1 <= rows <= self.max_rows and self.min_len <= length <= self.max_len
                 and (rows == 1 or rows * length <= self.max_padded)
-                and (not self.grid or on_grid(length, self.max_len)))
+                and (self.grid is None or on_grid(length, self.max_len, self.grid)))
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "counts": list(self.counts)})
@@ -42,9 +41,21 @@ class Coverage:
     @classmethod
     def from_json(cls, text: str) -> Coverage:
         raw = json.loads(text)
-        if not isinstance(raw.get("grid", False), bool):
-            raise ValueError(f"a coverage's grid is true or false, not {raw['grid']!r}")
+        grid = raw.get("grid")
+        if grid is not None and (type(grid) is not int or not 1 <= grid <= 16):
+            raise ValueError(f"a coverage's grid is a step shift of 1-16 or null, not {grid!r}")
         return cls(**{**raw, "counts": tuple(raw["counts"])})
+
+
+def on_grid(length: int, max_len: int, shift: int) -> bool:
+    """Is ``length`` on the length grid of step bound 1/2**``shift``: every length below
+    2**(shift+1), then the multiples of the largest power of two not above length /
+    2**shift, and the limit ``max_len``? The rule a grid sweep's coverage is read by, kept
+    with the record (``runtime.sizes.grid_length`` pads to the same grid; a test holds the
+    two together)."""
+    if length == max_len or length < 2 << shift:
+        return True
+    return length % (1 << (length.bit_length() - 1 - shift)) == 0
 
 
 VerifiedShape = tuple[int, int, int, int]  # (rows, padded length, count, configured count)

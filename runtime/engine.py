@@ -103,9 +103,8 @@ def pad(rows: list[list[int]], type_ids: list[list[int] | None] | None = None,
         raw: list[bool] | None = None, to: Callable[[int, int], int] | None = None
         ) -> TokenBatch:
     """Pad rows to the longest, or to ``to(rows, longest)`` tokens where given (mode 2's
-    length grid);
-    ``type_ids`` (text pairs) gives the token type ids, where a row without them (None) has
-    zeros; ``raw`` marks the rows answered raw."""
+    length grid); ``type_ids`` (text pairs) gives the token type ids, where a row without
+    them (None) has zeros; ``raw`` marks the rows answered raw."""
     longest = max(len(r) for r in rows)
     if to is not None:
         longest = max(longest, to(len(rows), longest))

@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import FAST, L6, wait_for
 from vllm_srun.records.host_record import HostRecord
 from vllm_srun.records.voucher import Coverage
+from vllm_srun.records.voucher import on_grid as voucher_on_grid
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.batching import PendingRow, next_batch
 from vllm_srun.runtime.engine import pad
@@ -136,13 +137,21 @@ def test_a_mode_2_worker_runs_a_shape_a_sweep_covers_as_it_comes(tmp_path):
 def test_a_grid_sweeps_voucher_covers_grid_lengths_and_an_older_one_every_length():
     cov = plan_sweep(ShapeBounds(max_rows=2, max_len=64, max_padded=128, grid=True)
                      ).coverage((1, 2))
-    assert cov.grid and cov.shapes == 2 * len([n for n in range(2, 65) if on_grid(n, 64)])
+    assert cov.grid == 3 and cov.shapes == 2 * len([n for n in range(2, 65) if on_grid(n, 64)])
     assert cov.covers_shape(1, 18) and cov.covers_shape(2, 64) and not cov.covers_shape(1, 17)
     older = json.loads(cov.to_json())
     del older["grid"]  # a voucher recorded before the grid: its sweep ran every length
     assert Coverage.from_json(json.dumps(older)).covers_shape(1, 17)
-    with pytest.raises(ValueError, match="grid"):
-        Coverage.from_json(cov.to_json().replace("true", '"yes"'))
+    for bad in ('"yes"', "true", "0", "2.5"):
+        with pytest.raises(ValueError, match="grid"):
+            Coverage.from_json(cov.to_json().replace('"grid": 3', f'"grid": {bad}'))
+
+
+def test_the_records_grid_rule_is_the_grid_the_engine_pads_to():
+    for shift in (2, 3, 4):
+        for max_len in (40, 256, 300, 8192):
+            assert [n for n in range(1, max_len + 1) if voucher_on_grid(n, max_len, shift)] == \
+                [n for n in range(1, max_len + 1) if on_grid(n, max_len, shift)]
 
 
 def test_the_bench_plans_the_products_grid_and_every_length_as_the_sweep_would():

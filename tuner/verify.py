@@ -30,7 +30,7 @@ import numpy as np
 from vllm_srun.records.host_record import Coverage
 from vllm_srun.runtime.batching import length_bucket
 from vllm_srun.runtime.engine import pad
-from vllm_srun.runtime.sizes import on_grid, size_range
+from vllm_srun.runtime.sizes import GRID_SHIFT, on_grid, size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.ledger import output_bits
 
@@ -78,7 +78,7 @@ class SweepPlan:
         b = self.bounds
         return Coverage(tuple(sorted(counts)), b.max_rows, b.min_len, b.max_len, b.max_padded,
                         self.exhaustive_padded, len(self.shapes), self.sampled, self.above,
-                        b.grid)
+                        GRID_SHIFT if b.grid else None)
 
 
 def plan_sweep(bounds: ShapeBounds, exhaustive_padded: int = EXHAUSTIVE_PADDED,
