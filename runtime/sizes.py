@@ -26,8 +26,8 @@ def range_label(padded_tokens: int) -> str:
 # 1.105, 1.052, 1.024x the forward time of one-row forwards of the mix. At 1/8 a busy
 # mode 2 worker without a sweep ran every forward at a verified shape from 4:02 on; at
 # 1/16, 3.6% of the forwards of its fifth minute still ran at the configured count for want
-# of one (``bench.mode2_coverage``, one run each): 1/8 covers the traffic within 5 minutes,
-# the least padding that did.
+# of one (``bench.mode2_coverage``; two runs at 1/8, one at 1/16): 1/8 covers the traffic
+# within 5 minutes, the least padding that did.
 GRID_SHIFT = 3
 
 
