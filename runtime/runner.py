@@ -52,7 +52,7 @@ class Runner:
         self.ready = False
         self.not_ready_reason: str | None = "loading"
 
-    def pad_to_grid(self, exact: Callable[[int, int], bool] | None = None) -> None:
+    def pad_to_grid(self, exact: Callable[[int, int], bool]) -> None:
         """Pad each served forward whose exact shape ``exact(rows, longest)`` does not cover
         up to the length grid (``sizes.padded_length``): a mode 2 worker's, whose shapes are
         verified one by one (R4.8)."""

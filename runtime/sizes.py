@@ -44,11 +44,11 @@ def grid_length(tokens: int, max_len: int, shift: int = GRID_SHIFT) -> int:
 
 
 def padded_length(rows: int, longest: int, max_len: int,
-                  exact: Callable[[int, int], bool] | None = None) -> int:
+                  exact: Callable[[int, int], bool]) -> int:
     """A mode 2 forward's padded length: the longest row where ``exact(rows, longest)`` (a
     sweep or a shape verified one by one covers that exact shape, so it needs no grid),
     else ``grid_length``."""
-    if exact is not None and exact(rows, longest):
+    if exact(rows, longest):
         return longest
     return grid_length(longest, max_len)
 
