@@ -1,5 +1,5 @@
 """A loaded torch encoder made faster (``faster``): bfloat16 ``Linear`` weights packed once for
-oneDNN, then the whole module traced.
+oneDNN, then the whole module traced and frozen.
 
 - **Packed** (bfloat16, where oneDNN runs bfloat16 on this CPU): each ``Linear``'s weight is
   reordered once into the blocked layout oneDNN's matrix kernels read (AMX tiles on a Xeon
@@ -20,11 +20,15 @@ oneDNN, then the whole module traced.
   ``attention.py`` takes branches on the data (blocks of a local window, each padded row's own
   keys) that a trace would keep from its short example, and the Python a trace saves is under
   2% of such a forward.
+- **Frozen**: the trace's submodule calls are inlined into one graph and its weights read as
+  constants (``_frozen``); the packed product is a TorchScript function, so no Python runs
+  during a forward at all.
 
 On the 2-vCPU Xeon, at one thread, one row of 8 tokens: bfloat16 4.8 ms as loaded, 3.3
-traced, 2.9 packed and traced; float32 6.2 and 4.4 (traced); from 16 rows of 64 tokens on
-they tie (the operators' own time dominates). ``tests/test_torch_fast.py`` checks answers for
-every task and precision.
+traced, 3.0 packed and traced with the product a Python custom op, 2.5 with it a TorchScript
+function, 2.3 frozen; float32 6.2 as loaded, 4.6 traced, 4.3 frozen (1 x 32: bfloat16 3.4,
+2.8, 2.6); from 16 rows of 64 tokens on they tie (the operators' own time dominates).
+``tests/test_torch_fast.py`` checks answers for every task and precision.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ PROBES = ((1, 8, False, False), (3, 24, True, False), (2, 40, True, True),
           (1, 200, False, False))
 EXAMPLE = (2, 16, False, False)
 
-_packed_op = None  # registered once per process (``_packed_linear``), under ``_registering``
+_packed_op = None  # compiled once per process (``_packed_linear``), under ``_registering``
 _registering = threading.Lock()
 
 
@@ -100,11 +104,13 @@ def _traced(torch, module):
         def __init__(self, script, source) -> None:
             super().__init__()
             self.script = script
-            self.source = [source]  # not a submodule: its parameters are the script's
+            # a submodule: its tensors are the ones the frozen script reads (not copies), so
+            # ``named_parameters`` names them
+            self.source = source
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):
             if input_ids.shape[1] > MIN_TOKENS:
-                return self.source[0](input_ids, attention_mask, token_type_ids)
+                return self.source(input_ids, attention_mask, token_type_ids)
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)
             # the flag is per OS thread: each lane's thread sets it for its own forwards
@@ -112,14 +118,57 @@ def _traced(torch, module):
                 return self.script(input_ids, attention_mask, token_type_ids)
 
     config = module.inner.config
-    run = TracedEncoder(torch.jit.trace(module, _probe(torch, config, *EXAMPLE),
-                                        check_trace=False, strict=False), module).eval()
+    script = torch.jit.trace(module, _probe(torch, config, *EXAMPLE), check_trace=False,
+                             strict=False)
+    run = TracedEncoder(_frozen(torch, script.eval()), module).eval()
     for probe in PROBES:
         batch = _probe(torch, config, *probe)
         if not torch.equal(module(*batch), run(*batch)):
             log.warning("torch_trace_unused reason=differs probe=%s", probe)
             return module
     return run
+
+
+def _frozen(torch, script):
+    """``script`` with its submodules' methods inlined into one graph and its weights read as
+    constants (the same tensors, not copies): ``torch._C._freeze_module`` alone, without
+    ``torch.jit.freeze``'s graph optimizations (they fuse and re-lay out float32 products,
+    which copies weights and may change answers). Saves the interpreter's ~110 method calls
+    and attribute reads a forward of the default model; where it fails, ``script`` as is."""
+    from torch.jit._script import RecursiveScriptModule
+
+    try:
+        frozen = RecursiveScriptModule(torch._C._freeze_module(script._c, []))
+        RecursiveScriptModule._finalize_scriptmodule(frozen)
+    except Exception as exc:  # a private API of the pinned torch: keep the trace unfrozen
+        log.warning("torch_freeze_unused reason=%s", str(exc).splitlines()[0][:200])
+        return script
+    return frozen
+
+
+def weights(served) -> list:
+    """The floating-point tensors the served module (``faster``'s) reads: a frozen trace's
+    constants and the tensors its graph reads from submodules it kept (packed weights, which
+    oneDNN keeps opaque, cannot be constants); else its parameters and buffers."""
+    import torch
+
+    script = getattr(served, "script", None)
+    if script is None:
+        return [*served.parameters(), *served.buffers()]
+    graph = script.graph
+    found = [*script.parameters(), *script.buffers()]
+    held = {next(graph.inputs()).unique(): script._c}  # graph value -> the module it holds
+    for node in graph.findAllNodes("prim::GetAttr"):  # in order: a holder before its reads
+        owner = held.get(node.input().unique())
+        if owner is not None:
+            value = owner.getattr(node.s("name"))
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, torch._C.ScriptModule):
+                held[node.output().unique()] = value
+    constants = (node.output().toIValue() for node in graph.findAllNodes("prim::Constant"))
+    found += [c for c in constants if isinstance(c, torch.Tensor)]
+    return list({t._cdata: t for t in found if t.is_floating_point()}.values())
 
 
 def pack(torch, module) -> list:
@@ -153,15 +202,18 @@ def pack(torch, module) -> list:
 
 
 def _packed_linear(torch):
-    """oneDNN's linear on a packed weight as an operator a trace records (called from Python
-    it takes an empty list TorchScript cannot type)."""
+    """oneDNN's linear on a packed weight as a TorchScript function: a trace records the
+    operator itself (called from Python the operator takes an empty list TorchScript cannot
+    type, and a Python custom op cost ~10 us a call, 0.4 ms of a short forward)."""
     global _packed_op
     with _registering:  # backends may load on several threads at once
         if _packed_op is None:
-            @torch.library.custom_op("vllm_srun::packed_linear", mutates_args=(),
-                                     schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-            def packed_linear(x, weight, bias):
-                return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-            _packed_op = packed_linear
+            _packed_op = torch.jit.CompilationUnit(_PACKED_LINEAR).packed_linear
     return _packed_op
+
+
+_PACKED_LINEAR = """
+def packed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    no_scalars: List[Optional[number]] = []
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", no_scalars, "")
+"""

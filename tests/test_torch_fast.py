@@ -19,7 +19,7 @@ from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.precision import Precision
 from vllm_srun.runtime.threads import ThreadContext
-from vllm_srun.runtime.torch_fast import faster, pack, packs
+from vllm_srun.runtime.torch_fast import faster, pack, packs, weights
 from vllm_srun.runtime.torch_model import load_module
 
 
@@ -125,8 +125,40 @@ def test_bfloat16_linear_weights_are_packed_where_onednn_runs_bfloat16():
     served = load_backend(resolve(L6), "torch", precision="bfloat16").module
     linears = [m for m in load_module(resolve(L6), Precision.BFLOAT16).modules()
                if type(m) is torch.nn.Linear]
-    packed = [name for name, _ in served.named_buffers() if name.endswith(".packed")]
+    source = served.source  # the module the trace was made from
+    packed = {b._cdata: name for name, b in source.named_buffers() if name.endswith(".packed")}
     assert linears and len(packed) == len(linears)
-    assert not any(isinstance(m, torch.nn.Linear) for m in served.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in source.modules())
+    # the frozen trace's products read the packed weights themselves (oneDNN's opaque
+    # tensors), not copies: one per product (the pooler's, which no forward calls, unread)
+    reads = {t._cdata for t in weights(served) if t.is_mkldnn}
+    products = served.script.graph.findAllNodes("mkldnn::_linear_pointwise")
+    assert reads <= packed.keys() and len(reads) == len(products) >= len(packed) - 1
     float32 = load_backend(resolve(L6), "torch").module
-    assert not [name for name, _ in float32.named_buffers() if name.endswith(".packed")]
+    assert not [name for name, _ in float32.source.named_buffers()
+                if name.endswith(".packed")]
+
+
+@pytest.mark.parametrize("precision", [Precision.FLOAT32, Precision.BFLOAT16])
+def test_the_frozen_trace_reads_the_loaded_modules_own_tensors(precision):
+    """Frozen, the trace reads its weights as constants: the module's own tensors, so the
+    weights stay one copy (mapped from the shared file) and a fault set in a parameter by
+    name reaches the served answer."""
+    served = load_backend(resolve(L6), "torch", precision=precision).module
+    assert type(served).__name__ == "TracedEncoder"
+    def key(t):  # a constant is its own tensor object over the same storage
+        return t._cdata if t.is_mkldnn else t.data_ptr()
+
+    own = {key(t) for t in [*served.source.parameters(), *served.source.buffers()]}
+    read = weights(served)
+    assert len(read) > 50 and all(key(t) in own for t in read)
+    assert not list(served.script.parameters())  # constants, not attributes: frozen
+    batch = [torch.from_numpy(a) for a in (pad([[101, 2000, 102]]).input_ids,
+                                            pad([[101, 2000, 102]]).attention_mask)]
+    with torch.inference_mode():
+        before = served(*batch)
+    norm = next(p for name, p in served.named_parameters() if name.endswith("LayerNorm.bias"))
+    with torch.no_grad():
+        norm += 1
+    with torch.inference_mode():
+        assert not torch.equal(served(*batch), before)

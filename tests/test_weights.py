@@ -25,6 +25,7 @@ from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.export import ensure_onnx, ensure_quantized
 from vllm_srun.runtime.precision import Precision
 from vllm_srun.runtime.threads import ThreadContext
+from vllm_srun.runtime.torch_fast import weights as torch_weights
 from vllm_srun.runtime.weights import shared_onnx_path, shared_state_path
 from vllm_srun.tuner.adaptive import output_bits
 from vllm_srun.tuner.shadows import ShadowProcess
@@ -109,8 +110,12 @@ def test_torch_shared_weights_answer_like_private_ones_and_are_file_backed(preci
     mapped = [line.split()[0] for line in Path("/proc/self/maps").read_text().splitlines()
               if line.endswith(path)]
     spans = [tuple(int(x, 16) for x in m.split("-")) for m in mapped]
-    for name, p in shared.module.named_parameters():
-        assert any(lo <= p.data_ptr() < hi for lo, hi in spans), name
+    # what the served forward reads: the frozen trace's constants (the same tensors as the
+    # module's, not copies), all in the mapped file but for packed bfloat16 weights
+    read = [t for t in torch_weights(shared.module) if not t.is_mkldnn]  # packed: private
+    assert read
+    for i, tensor in enumerate(read):
+        assert any(lo <= tensor.data_ptr() < hi for lo, hi in spans), (i, tensor.shape)
     private = TorchBackend(manifest, precision=Precision(precision), share_weights=False)
     assert not private.shared
     _same_answers(shared, private)
@@ -165,7 +170,7 @@ for line in open("/proc/self/smaps"):
     elif inside and head[0] == "Rss:":
         rss += int(head[1])
 print(json.dumps({{"shared": served.shared, "file_kb": path.stat().st_size / 1024,
-    "packed_kb": sum(b.numel() * 2 for n, b in served.module.named_buffers()
+    "packed_kb": sum(b.numel() * 2 for n, b in served.module.source.named_buffers()
                      if n.endswith(".packed")) / 1024,
     "rss_kb": rss,
     "outside": release_pages([torch.ones(4096)], path)}}))
