@@ -7,7 +7,8 @@ short queries, 25% passages, 5% long; ``bench.adaptive_wrk``'s script).
 
 Servers: vllm-srun at ``--dtype float32`` (onnxruntime, the default), ``bfloat16`` (torch)
 and ``int8`` (onnxruntime, the default recipe, at the default quality gate), each at the
-default thread count and at ``--threads 2``; infinity-emb 0.0.78 (torch engine, its own
+default thread count, at ``--threads 2`` and with two forwards at once at the default count
+(``--concurrent-forwards 2``, where the build has it); infinity-emb 0.0.78 (torch engine, its own
 venv) at ``--dtype float32|bfloat16|int8``;
 sentence-transformers' ``encode`` behind FastAPI at 2 threads (``bench/peers/st_fastapi.py``).
 Every server serves all-MiniLM-L6-v2 from the L6 package's folder, offline, with vllm-srun's
@@ -46,10 +47,11 @@ WARM_S = 3.0
 ADAPTIVE = "vllm-srun `--adaptive-threads serve`, fresh record, no sweep"
 
 
-def ours_has_dtype() -> bool:
+def ours_has(flag: str) -> bool:
+    """Whether this build's ``serve --help`` lists ``flag``."""
     out = subprocess.run([sys.executable, "-m", "vllm_srun.server", "serve", "--help"],
                          capture_output=True, text=True).stdout
-    return "--dtype" in out
+    return flag in out
 
 
 # Per precision, the backend that runs it best here (runtime/precision.py: onnxruntime has no
@@ -63,15 +65,19 @@ OURS: dict[str, tuple[str, ...]] = {
 }
 
 
-def server_table(infinity: str | None, has_dtype: bool,
-                 peers: bool = True) -> dict[str, list[str] | None]:
-    """name -> the command that starts it (``{port}`` filled in later), or None: skipped."""
+def server_table(infinity: str | None, has_dtype: bool, peers: bool = True,
+                 at_once: bool = False) -> dict[str, list[str] | None]:
+    """name -> the command that starts it (``{port}`` filled in later), or None: skipped.
+    ``at_once``: also each precision with two forwards at once (``--concurrent-forwards
+    2``, at the default count)."""
     folder = resolve(MODEL).path
     table: dict[str, list[str] | None] = {}
+    variants = {"": (), " 2 threads": ("--threads", "2"),
+                **({" 2 forwards at once": ("--concurrent-forwards", "2")} if at_once else {})}
     for label, extra in OURS.items():
         dtype = label.split()[0]
-        for threads in ((), ("--threads", "2")):
-            name = f"vllm-srun {label}" + (" 2 threads" if threads else "")
+        for suffix, threads in variants.items():
+            name = f"vllm-srun {label}{suffix}"
             flags = ["--dtype", dtype, *extra] if has_dtype else []
             runnable = has_dtype or dtype == "float32"
             table[name] = ([sys.executable, "-m", "vllm_srun.server", "serve", MODEL, "--port",
@@ -150,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--seconds must be >= 1, --rounds >= 1 and --learn-s >= 0")
     if args.infinity and not Path(args.infinity).is_file():
         raise SystemExit(f"--infinity: no such file {args.infinity!r}")
-    has_dtype = ours_has_dtype()
+    has_dtype = ours_has("--dtype")
     wanted = [w for w in args.servers.split(",") if w]
-    table = {k: v for k, v in server_table(args.infinity, has_dtype).items()
+    table = {k: v for k, v in server_table(args.infinity, has_dtype,
+                                           at_once=ours_has("--concurrent-forwards")).items()
              if not wanted or any(k == w[1:] if w.startswith("=") else w in k
                                   for w in wanted)}
     before = host()

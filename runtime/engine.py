@@ -1,16 +1,19 @@
 """The engine: micro-batches the rows of concurrent requests into forwards (R3.1, R3.3).
 
-How it works: ``submit`` queues a request's rows and returns a future. One scheduler thread
+How it works: ``submit`` queues a request's rows and returns a future. A scheduler thread
 loops: drop requests whose deadline passed or whose caller gave up, pick the next forward
 with ``next_batch`` (policy), ask the threads policy which count serves it, run it on the
 thread context's lane for that count, hand each row its vector, and resolve a request once
-all its rows are done (a request is answered as one unit). A row whose answer holds NaN or
+all its rows are done (a request is answered as one unit). With ``concurrent_forwards`` n
+above 1, n such threads loop, each taking the next forward while the others run theirs
+(fixed counts only: ``FixedThreads``); on a CPU whose forwards scale less than linearly with
+threads, n forwards of t threads serve more than one of n x t. A row whose answer holds NaN or
 infinity fails its request (``NonFiniteAnswer``, naming the input); the forward's other
 requests are answered. The threads policy hears when each
 served forward begins (``served_threads``) and ends (``observe``); the adaptive tuner runs its
 shadow passes on threads of its own and never on this one.
 
-Invariant: every row of a live request is either pending or in the forward now running;
+Invariant: every row of a live request is either pending or in a forward now running;
 a forward's result for a request that expired meanwhile is discarded.
 """
 
@@ -143,6 +146,9 @@ class Engine:
         self.backend = backend
         self.args = args
         self.threads = threads or FixedThreads(args.num_threads)
+        if args.concurrent_forwards > 1 and not isinstance(self.threads, FixedThreads):
+            raise ValueError("several forwards at once need fixed thread counts: the "
+                             "threads policy hears one served forward at a time")
         self.context = context or thread_context()
         # onnxruntime's count is the session's, not the OS thread's: any thread may run it
         self._inline = not getattr(backend, "thread_bound", True)
@@ -155,7 +161,7 @@ class Engine:
         self._pending: list[PendingRow] = []
         self._ids = itertools.count()
         self._running = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.forwards = 0
         self.non_finite = 0  # requests failed for a NaN or infinity in an answer
 
@@ -165,8 +171,12 @@ class Engine:
             if self._running:
                 return
             self._running = True
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
+        n = self.args.concurrent_forwards
+        self._threads = [threading.Thread(target=self._loop, daemon=True,
+                                          name="engine" if n == 1 else f"engine-{i}")
+                         for i in range(n)]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         with self._cond:
@@ -177,8 +187,8 @@ class Engine:
             self._pending.clear()
         for req in pending:
             _fail(req.future, EngineStopped("engine stopped"))
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=30)
         self.threads.close()
 
     # -- requests --------------------------------------------------------------------------
@@ -254,7 +264,8 @@ class Engine:
                                 exc if isinstance(exc, RuntimeFault) else RuntimeFault(
                                     f"forward failed: {exc}"))
             return
-        self.forwards += 1
+        with self._cond:
+            self.forwards += 1
         self.threads.observe(batch, result)
         self._deliver(chosen, result.outputs)
         if self.on_forward is not None:

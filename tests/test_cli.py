@@ -175,7 +175,7 @@ def test_every_deployment_setting_writes_its_config_key():
     samples = {"--backend": "torch", "--revision": "v2", "--served-model-name": "org/name",
                "--adaptive-threads": "learn", "--threads": "3", "--max-num-seqs": "7",
                "--max-num-batched-tokens": "900", "--timeout-ms": "1234",
-               "--cache-entries": "0", "--dtype": "auto",
+               "--cache-entries": "0", "--dtype": "auto", "--concurrent-forwards": "2",
                "--quality-gate-min-cosine": "0.9995",
                "--quality-gate-min-label-agreement": "0.98",
                "--quality-gate-max-prob-diff": "0.05",

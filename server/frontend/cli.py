@@ -223,6 +223,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
     from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
     from vllm_srun.server.pool.pool import PoolOptions
+    from vllm_srun.server.pool.replica_factory import check_concurrent_forwards
     from vllm_srun.tuner.modes import effective_mode, learning_share, max_threads, parse_mode
 
     if args.mkl_cbwr:
@@ -232,6 +233,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     share = learning_share(args.learning_share)
     pool_options = PoolOptions(budget, int(mode), max_threads(budget, args.max_threads),
                                args.record, args.log_level, learning_share=share)
+    check_concurrent_forwards(pool_options, config)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # R9.1: a spawned child of this process (the in-process worker's shadow process) starts as
     # `python -c`, which puts the working folder first on its module path unless told not to
@@ -266,13 +268,15 @@ def _announce(config, num_threads: int, budget: int, mode: int, address) -> None
     bound = config.deployments[config.bound]
     replicas = len(bound.placements())
     shown = f"[{host}]" if ":" in host else host
+    at_once = bound.engine.concurrent_forwards
     print(f"vllm-srun: serving {bound.artifact} (deployment {config.bound}, {replicas} "
           f"replica{'s' if replicas > 1 else ''}, backend {bound.backend or 'onnxruntime'}, "
-          f"{num_threads} threads per CPU worker, CPU budget {budget}, adaptive threads mode "
-          f"{mode}) on http://{shown}:{port}", flush=True)
+          f"{num_threads} threads per CPU worker"
+          f"{f' per forward, {at_once} forwards at once' if at_once > 1 else ''}, CPU budget "
+          f"{budget}, adaptive threads mode {mode}) on http://{shown}:{port}", flush=True)
     log.info("server_listening url=http://%s:%d deployment=%s artifact=%s replicas=%d "
-             "num_threads=%d cpu_budget=%d adaptive_mode=%d", shown, port, config.bound,
-             bound.artifact, replicas, num_threads, budget, mode)
+             "num_threads=%d concurrent_forwards=%d cpu_budget=%d adaptive_mode=%d", shown,
+             port, config.bound, bound.artifact, replicas, num_threads, at_once, budget, mode)
 
 
 def _check_deployments(config) -> None:

@@ -142,6 +142,10 @@ DEPLOYMENT_SETTINGS: tuple[Setting, ...] = (
     Setting("--threads", "intra-op threads per CPU worker (default: half the CPU budget in "
                          "1..16), capped by the CPU budget", key="engine.num_threads",
             env=THREADS_ENV, parse=_integer("--threads", 1)),
+    Setting("--concurrent-forwards", "forwards a CPU worker runs at once, each at --threads "
+                                     "threads (default 1; at most 16; together within the "
+                                     "CPU budget; adaptive threads off)",
+            key="engine.concurrent_forwards", parse=_integer("--concurrent-forwards", 1)),
     Setting("--max-num-seqs", "most rows in one forward (default: 32)",
             key="engine.max_num_seqs", parse=_integer("--max-num-seqs", 1)),
     Setting("--max-num-batched-tokens", "most padded tokens (rows x longest) in one forward "

@@ -52,6 +52,7 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: Positive | None = None
     timeout_ms: Positive = 30_000
     cache_entries: Annotated[int, Field(ge=0, strict=True)] = 4096
+    concurrent_forwards: Annotated[int, Field(ge=1, le=16, strict=True)] = 1
 
 
 class OutlierConfig(_Strict):

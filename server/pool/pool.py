@@ -30,7 +30,11 @@ from vllm_srun.server.pool.config import Config, DeploymentConfig, replica_key_p
 from vllm_srun.server.pool.deployment_pool import DeploymentPool, ModelInfo, listed_ids, served_ids
 from vllm_srun.server.pool.errors import PoolError, Refusal
 from vllm_srun.server.pool.outlier import Event, Outcome, OutlierPolicy, OutlierSettings
-from vllm_srun.server.pool.replica_factory import PoolOptions, ReplicaFactory
+from vllm_srun.server.pool.replica_factory import (
+    PoolOptions,
+    ReplicaFactory,
+    check_concurrent_forwards,
+)
 from vllm_srun.server.pool.replicas import LoadAccount, LocalReplica, Replica
 from vllm_srun.server.pool.replicas.base import STARTUP_TIMEOUT_S
 from vllm_srun.server.pool.states import ReplicaState
@@ -148,6 +152,7 @@ class Pool:
                                               list[Replica]]:
         """The pool for ``config`` as :func:`plan.plan` decides it: (deployments, fresh
         replicas to start, retired replicas)."""
+        check_concurrent_forwards(self.options, config)
         shapes = {name: _shape(d.config) for name, d in self.deployments.items()}
         old = {name: (shapes[name], list(zip((r.id for r in d.replicas),
                                              shapes[name].placements, strict=True)))

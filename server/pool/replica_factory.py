@@ -16,8 +16,14 @@ from dataclasses import dataclass
 
 from vllm_srun.runtime.budget import configured_threads
 from vllm_srun.runtime.device import is_gpu
+from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.types import EngineArgs, Manifest
-from vllm_srun.server.pool.config import DeploymentConfig, ReplicaConfig, endpoint_key
+from vllm_srun.server.pool.config import (
+    Config,
+    DeploymentConfig,
+    ReplicaConfig,
+    endpoint_key,
+)
 from vllm_srun.server.pool.replicas import (
     AttachedReplica,
     LoadAccount,
@@ -54,7 +60,36 @@ def engine_args(options: PoolOptions, dep: DeploymentConfig) -> EngineArgs:
     return EngineArgs(num_threads=configured_threads(options.budget, e.num_threads),
                       max_num_seqs=e.max_num_seqs or PROVISIONAL_SEQS,
                       max_num_batched_tokens=e.max_num_batched_tokens or PROVISIONAL_TOKENS,
-                      timeout_ms=e.timeout_ms, cache_entries=e.cache_entries)
+                      timeout_ms=e.timeout_ms, cache_entries=e.cache_entries,
+                      concurrent_forwards=e.concurrent_forwards)
+
+
+def check_concurrent_forwards(options: PoolOptions, config: Config) -> None:
+    """Refuse a deployment whose worker would run several forwards at once where it cannot:
+    with adaptive threads on (the tuner times one served forward at a time and freezes its
+    shadows beside it), on a GPU, in a deployment of several workers (each process already
+    runs a forward of its own, and their counts share the host's cores through the core
+    ledger, one forward per worker), or with more threads together than the CPU budget."""
+    for name, dep in config.deployments.items():
+        n = dep.engine.concurrent_forwards
+        if n == 1:
+            continue
+        key = (f"global.model_catalog.deployments.{name}.engine.concurrent_forwards "
+               f"(--concurrent-forwards) {n}")
+        if adaptive_mode(options, dep) is not AdaptiveMode.OFF:
+            raise ConfigError(f"{key}: several forwards at once run with adaptive threads off "
+                              "(the tuner times one forward at a time); set one or the other")
+        if not dep.shorthand or dep.endpoint is not None:
+            raise ConfigError(f"{key}: several forwards at once apply to a one-worker "
+                              "deployment (its worker in the server's process); with several "
+                              "workers each runs its own forwards")
+        if is_gpu(dep.device or "cpu"):
+            raise ConfigError(f"{key}: several forwards at once apply to CPU workers only")
+        threads = configured_threads(options.budget, dep.engine.num_threads)
+        if n * threads > options.budget:
+            raise ConfigError(f"{key}: {n} forwards at once x {threads} threads each is more "
+                              f"than the CPU budget of {options.budget}; lower --threads or "
+                              "this")
 
 
 def adaptive_mode(options: PoolOptions, dep: DeploymentConfig) -> AdaptiveMode:
