@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import L3, row, wait_until
+from tests.conftest import L3, poll, row, wait_until
 from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
@@ -217,8 +217,12 @@ def test_an_idle_worker_backs_off_a_shadow_that_other_tasks_cpus_held_up(tmp_pat
         neighbour.kill()
         neighbour.wait(10)
         neighbour = None
-        wait_until(lambda: len(tuner.learner.ranges[lo].samples.get(2, ())) >= 3, 60,
-                   "2 threads timed once the neighbour left")
+        # one clean try times the count; on a shared host a try may still be held up by
+        # something else and back off again (up to ``held_backoff_max_s``), so allow several
+        if not poll(lambda: tuner.learner.ranges[lo].samples.get(2), 90, 0.1):
+            with tuner.lock:
+                raise AssertionError(f"2 threads not timed 90 s after the neighbour left: "
+                                     f"{tuner.tally}, load {os.getloadavg()}")
     finally:
         if neighbour is not None:
             neighbour.kill()
