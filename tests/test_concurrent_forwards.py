@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import L6, Server, row, run_cli
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.budget import cpu_budget
 from vllm_srun.runtime.engine import Engine
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.runner import Runner
@@ -135,6 +136,8 @@ def test_serve_refuses_several_forwards_with_adaptive_threads_before_loading():
 
 def test_a_server_with_two_forwards_at_once_answers_over_http(l6_server):
     """Answers as a server running one forward at a time gives them (within 1e-5)."""
+    if cpu_budget() < 2:
+        pytest.skip("a CPU budget of 1 refuses two 1-thread forwards at once (by design)")
     server = Server(L6, "--threads", "1", "--concurrent-forwards", "2").wait_ready()
     try:
         texts = [f"query number {i} about forwards at once" for i in range(24)]
