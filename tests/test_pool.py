@@ -562,3 +562,23 @@ def test_workers_do_not_outlive_a_killed_front_end(tmp_path):
              and "zombie" not in Path(f"/proc/{p}/status").read_text()]
     server.client.close()
     assert not alive, f"workers {alive} outlived their front end"
+
+
+def test_a_reload_asking_a_pool_of_workers_for_forwards_at_once_changes_nothing(tmp_path):
+    """Several forwards at once apply to a one-worker deployment; a reload that asks them of
+    a deployment of worker processes is refused naming the key, and the pool keeps serving
+    as it was."""
+    server = PoolServer(tmp_path, {"primary": cpu_deployment(1)}).wait_ready()
+    try:
+        server.wait_all_ready("primary", 1)
+        pid = server.replicas()["primary-0"]["pid"]
+        server.reload({"primary": cpu_deployment(2, concurrent_forwards=2)})
+        (failed,) = server.wait_for(lambda: server.events("reconfiguration_failed"), 30,
+                                    "the refusal")
+        assert "engine.concurrent_forwards (--concurrent-forwards) 2" in failed["reason"]
+        assert "one-worker deployment" in failed["reason"]
+        assert list(server.replicas()) == ["primary-0"]
+        assert server.replicas()["primary-0"]["pid"] == pid
+        assert ok_fraction(fire(server.url, texts(5, "still"), concurrency=2)) == 1.0
+    finally:
+        server.close()
