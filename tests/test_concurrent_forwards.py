@@ -140,6 +140,8 @@ def test_a_server_with_two_forwards_at_once_answers_over_http(l6_server):
         pytest.skip("a CPU budget of 1 refuses two 1-thread forwards at once (by design)")
     server = Server(L6, "--threads", "1", "--concurrent-forwards", "2").wait_ready()
     try:
+        (entry,) = server.client.get("/v1/models").json()["data"]
+        assert (entry["num_threads"], entry["concurrent_forwards"]) == (1, 2)
         texts = [f"query number {i} about forwards at once" for i in range(24)]
 
         def embed(client, text):

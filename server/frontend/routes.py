@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from vllm_srun.runtime.errors import RuntimeFault
-from vllm_srun.runtime.types import Task, TextInput
+from vllm_srun.runtime.types import EngineArgs, Task, TextInput
 from vllm_srun.server.frontend.errors import REPLICA_HEADER, ApiError, HttpError, http_error
 from vllm_srun.server.frontend.options import (
     EmbedOptions,
@@ -211,7 +211,8 @@ async def rerank(request: Request) -> Response:
     return await answer(request, "rerank", work)
 
 
-def model_entry(dep: DeploymentPool, local_threads: int | None, model_id: str) -> dict:
+def model_entry(dep: DeploymentPool, local: EngineArgs | None, model_id: str) -> dict:
+    """``local``: the engine arguments of the deployment's in-process worker, if it has one."""
     m = dep.info
     entry = {"id": model_id, "object": "model", "created": 0, "owned_by": "vllm-srun",
              "deployment": dep.name, "revision": m.revision, "task": m.task.value,
@@ -222,8 +223,9 @@ def model_entry(dep: DeploymentPool, local_threads: int | None, model_id: str) -
     limits = [r.limits for r in dep.replicas if r.state == "ready" and r.limits]
     if limits and all(x == limits[0] for x in limits):
         entry.update(limits[0])  # what an attaching pool checks (R5.4)
-    if local_threads is not None:
-        entry["num_threads"] = local_threads
+    if local is not None:
+        entry["num_threads"] = local.num_threads
+        entry["concurrent_forwards"] = local.concurrent_forwards
     return entry
 
 
@@ -233,7 +235,7 @@ async def models(request: Request) -> Response:
     (as vLLM lists them)."""
     pool = request.app.state.server.pool
     local = pool.local_replica()
-    data = [model_entry(dep, local.runner.args.num_threads if local is not None
+    data = [model_entry(dep, local.runner.args if local is not None
                         and local in dep.replicas and local.runner is not None else None,
                         model_id)
             for dep in list(pool.deployments.values())
