@@ -131,7 +131,7 @@ def _traced(torch, module):
 
 def _frozen(torch, script):
     """``script`` with its submodules' methods inlined into one graph and its weights read as
-    constants (the same tensors, not copies): ``torch._C._freeze_module`` alone, without
+    constants over the same storage (no copies): ``torch._C._freeze_module`` alone, without
     ``torch.jit.freeze``'s graph optimizations (they fuse and re-lay out float32 products,
     which copies weights and may change answers). Saves the interpreter's ~110 method calls
     and attribute reads a forward of the default model; where it fails, ``script`` as is."""
