@@ -28,7 +28,8 @@ WARM_TEXTS = ("warm up", "a warm-up pass keeps first-call costs out of served la
 
 def check_args(args: EngineArgs, manifest: Manifest) -> None:
     """Engine arguments must be positive and able to hold one row of the longest input."""
-    for key in ("num_threads", "max_num_seqs", "max_num_batched_tokens", "timeout_ms"):
+    for key in ("num_threads", "max_num_seqs", "max_num_batched_tokens", "timeout_ms",
+                "concurrent_forwards"):  # 0 forwards at once would never serve one
         if getattr(args, key) < 1:
             raise ConfigError(f"{key} must be a positive integer, got {getattr(args, key)}")
     if args.cache_entries < 0:

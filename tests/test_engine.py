@@ -128,7 +128,8 @@ def test_bad_input_costs_no_other_request_its_answer(runner):
 
 @pytest.mark.parametrize(("field", "value"), [("num_threads", 0), ("max_num_seqs", 0),
                                               ("max_num_batched_tokens", 100),
-                                              ("timeout_ms", -1), ("cache_entries", -1)])
+                                              ("timeout_ms", -1), ("cache_entries", -1),
+                                              ("concurrent_forwards", 0)])
 def test_bad_engine_arguments_name_the_key(backend, field, value):
     args = {"num_threads": 1, field: value}
     with pytest.raises(ConfigError, match=field):
