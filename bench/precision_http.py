@@ -47,11 +47,10 @@ WARM_S = 3.0
 ADAPTIVE = "vllm-srun `--adaptive-threads serve`, fresh record, no sweep"
 
 
-def ours_has(flag: str) -> bool:
-    """Whether this build's ``serve --help`` lists ``flag``."""
-    out = subprocess.run([sys.executable, "-m", "vllm_srun.server", "serve", "--help"],
-                         capture_output=True, text=True).stdout
-    return flag in out
+def ours_help() -> str:
+    """This build's ``serve --help`` (which flags it has)."""
+    return subprocess.run([sys.executable, "-m", "vllm_srun.server", "serve", "--help"],
+                          capture_output=True, text=True).stdout
 
 
 # Per precision, the backend that runs it best here (runtime/precision.py: onnxruntime has no
@@ -156,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--seconds must be >= 1, --rounds >= 1 and --learn-s >= 0")
     if args.infinity and not Path(args.infinity).is_file():
         raise SystemExit(f"--infinity: no such file {args.infinity!r}")
-    has_dtype = ours_has("--dtype")
+    flags = ours_help()
+    has_dtype = "--dtype" in flags
     wanted = [w for w in args.servers.split(",") if w]
     table = {k: v for k, v in server_table(args.infinity, has_dtype,
-                                           at_once=ours_has("--concurrent-forwards")).items()
+                                           at_once="--concurrent-forwards" in flags).items()
              if not wanted or any(k == w[1:] if w.startswith("=") else w in k
                                   for w in wanted)}
     before = host()
