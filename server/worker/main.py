@@ -112,7 +112,7 @@ def create_worker_app(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) ->
 def _load_in_background(worker: Worker, loaded: Loaded, metrics: WorkerMetrics) -> None:
     def load() -> None:
         try:
-            runner = worker.load(metrics.record_forward)
+            runner = worker.load_to_serve(metrics.record_forward)
         except Exception as exc:  # the pool sees the exit and restarts with backoff
             log.error("worker_load_failed error=%s", exc)
             os._exit(3)

@@ -43,7 +43,8 @@ class LocalReplica(Replica):
 
     async def _load(self) -> None:
         try:
-            runner = await asyncio.to_thread(self.worker.load, self.metrics.record_forward)
+            runner = await asyncio.to_thread(self.worker.load_to_serve,
+                                           self.metrics.record_forward)
         except Exception as exc:
             self.transition(ReplicaState.FAILED, f"load failed: {exc}")
             log.error("model_load_failed replica=%s error=%s", self.id, exc)
@@ -61,6 +62,7 @@ class LocalReplica(Replica):
     async def stop(self) -> None:
         if self.runner is not None:
             await asyncio.to_thread(self.runner.stop)
+            self.worker.unload()
 
     async def probe(self) -> bool:
         return self.runner is not None and self.runner.ready
