@@ -90,7 +90,9 @@ class Worker:
     @staticmethod
     def unload() -> None:
         """The process drops a worker it loaded to serve (a reload): what ``load_to_serve``
-        froze is collected again (a frozen reference cycle would never be freed)."""
+        froze is collected again (a frozen reference cycle would never be freed). The whole
+        process is unfrozen, the worker that replaced it too (a reload loads the new one
+        first): full passes walk it again, as before any freeze, until the next start."""
         gc.unfreeze()
 
     def _choose_backend(self) -> Backend:
