@@ -10,12 +10,14 @@ For each mode, one ``vllm-srun serve`` of the default model (one worker, in the 
 process) with a fresh record and the result cache off gets light traffic of mixed lengths
 (one request every 0.25 s, so shadows run in the gaps) for ``--settle`` seconds, until the
 shadow process has compared at least one forward. Then the PSS of every process of the server
-is read: the worker, the shadow child, multiprocessing's resource tracker. Printed per mode:
+is read: the worker, the shadow child, the zygote it was forked from (``tuner/zygote.py``)
+or, for a spawned child, multiprocessing's resource tracker. Printed per mode:
 PSS worker / shadow child / others / total, the total's ratio to mode 0, and the child's
 split into the shared weights file, other file-backed pages (libraries) and private memory.
 Then, in this process, served forwards over private and shared weights side by side at 1 and
 2 threads (a shared load must not be slower). Figures move with the host and its load: run
-modes side by side, as here.
+modes side by side, as here, and nothing else that maps the same libraries (another torch
+process lowers the libraries' share of every process here).
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def tree(pid: int) -> list[int]:
 def role(pid: int, root: int) -> str:
     if pid == root:
         return "worker"
+    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    if comm in ("vllm-zygote", "vllm-shadows"):  # forked by the worker's zygote
+        return "zygote" if comm == "vllm-zygote" else "shadow"
     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     if "resource_tracker" in cmd:
         return "resource_tracker"

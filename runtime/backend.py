@@ -202,6 +202,15 @@ class TorchBackend:
         pass
 
 
+_built = threading.Event()  # set once this process builds a backend (``built_any``)
+
+
+def built_any() -> bool:
+    """Whether this process has built a backend: it may have run a multithreaded forward, so
+    a process forked from it now could hang in its own (``tuner/zygote.py``)."""
+    return _built.is_set()
+
+
 def load_backend(manifest: Manifest, backend: BackendName | str, device: str = "cpu",
                  precision: Precision | str = Precision.FLOAT32,
                  several_counts: bool = False) -> Backend:
@@ -220,6 +229,7 @@ def load_backend(manifest: Manifest, backend: BackendName | str, device: str = "
     precision = check_supported(name, precision)
     if devices.is_gpu(device) and precision is Precision.INT8:  # quantize_dynamic: CPU only
         raise Unsupported(f"precision int8 runs on the CPU only, not on {device}")
+    _built.set()
     if name is BackendName.TORCH:
         return TorchBackend(manifest, devices.torch_device(device) if devices.is_gpu(device)
                             else "cpu", precision)

@@ -117,13 +117,14 @@ def test_no_bare_top_level_module_is_installed(name, tmp_path):
 
 @pytest.mark.parametrize("dp", [None, 1], ids=["in-process-worker", "worker-process"])
 def test_mode1_and_its_shadow_process_from_a_hostile_folder(tmp_path, dp):
-    """Mode 1 runs shadows in a spawned child process of each worker, whether the worker is
-    the front end itself (``serve MODEL``) or a process of its own (``-dp 1``): from the
-    hostile folder that child starts from the installed code too, shown by the shadow answers
-    the worker compared with its served ones. Traffic with pauses, at most 60 s of it."""
+    """Mode 1 runs shadows in a child process of each worker, whether the worker is the front
+    end itself (``serve MODEL``) or a process of its own (``-dp 1``): the worker's zygote, a
+    copy of its process made before it loaded (``tuner/zygote.py``), so from the hostile
+    folder it runs the installed code the worker imported, shown by the shadow answers the
+    worker compared with its served ones. Traffic with pauses, at most 60 s of it."""
     env = {"VLLM_SRUN_CPU_ADAPTIVE_THREADS": "1"}
     with serving(hostile_folder(tmp_path / "work"), env, "--max-threads", "2", "--record",
-                 str(tmp_path / "r.sqlite"), dp=dp) as (client, _pid):
+                 str(tmp_path / "r.sqlite"), dp=dp) as (client, pid):
         end = time.monotonic() + 60
         for i in range(5000):
             assert client.post("/v1/embeddings", json={"input": words(40) + f" {i}"}) \
@@ -132,8 +133,33 @@ def test_mode1_and_its_shadow_process_from_a_hostile_folder(tmp_path, dp):
             (rep,) = client.get("/v1/threads").json()["reports"]
             if rep["learning"]["shadow_comparisons"] or time.monotonic() > end:
                 break
+        tree = _descendants(pid)
     assert rep["mode"] == 1 and rep["allowed_counts"] == [1, 2]
     assert rep["learning"]["shadow_comparisons"] > 0, rep["learning"]
+    (worker,) = [p for p, (_, name) in tree.items() if name == "vllm-shadows"]
+    worker = tree[worker][0]  # the shadow process's parent
+    assert worker == pid if dp is None else tree[worker][0] == pid
+
+
+def _descendants(pid: int) -> dict[int, tuple[int, str]]:
+    """``pid``'s descendants: pid -> (its parent, its name)."""
+    found: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat, name = (entry / "stat").read_text(), (entry / "comm").read_text().strip()
+        except OSError:  # gone meanwhile
+            continue
+        found[int(entry.name)] = (int(stat.rpartition(")")[2].split()[1]), name)
+    out, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for p, (pp, name) in found.items():
+            if pp == parent:
+                out[p] = (pp, name)
+                todo.append(p)
+    return out
 
 
 @pytest.mark.parametrize(("args", "shapes"), [

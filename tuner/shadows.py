@@ -5,6 +5,9 @@ preempts them.
 ``SCHED_IDLE`` before it loads its own backend, so every thread it makes (its lanes,
 onnxruntime's session pools, torch's OpenMP teams) inherits the policy. Its weights are
 mapped from the file the worker maps (``runtime/weights.py``): one copy in memory for both.
+Where the worker's process made a zygote before it loaded (``zygote.py``), the first child
+is that zygote, sharing the libraries' memory with the worker; otherwise, and for a respawn,
+it is spawned.
 The tuner freezes it (``pause``: SIGSTOP) while a served forward it times runs; it dies with
 its worker even while frozen (PR_SET_PDEATHSIG with SIGKILL). A child that dies or hangs fails
 the shadow it was running, is killed and reaped, and the next shadow starts a new one (the
@@ -35,6 +38,7 @@ from vllm_srun.runtime.backend import Backend
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.types import ForwardResult, Manifest, TokenBatch
+from vllm_srun.tuner import zygote
 from vllm_srun.tuner.shadow_child import cpu_ticks, serve_shadows
 
 if TYPE_CHECKING:
@@ -76,13 +80,22 @@ POLL_S = 1.0  # how often a forward waiting for its answer checks the child's CP
 class _Child:
     """One child process of a ``ShadowProcess``, and its end of the pipe."""
 
-    def __init__(self, ctx, manifest: Manifest, backend: str, precision: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.armed = ctx.Event()  # set by the child once it dies with this process
-        self.loaded = ctx.Event()  # ... and once its backend is loaded
+    def __init__(self, start, manifest: Manifest, backend: str, precision: str) -> None:
+        """``start``: this process's ``zygote.Zygote`` (forks the child) or a multiprocessing
+        context (spawns it)."""
         self.frozen_ok = False
         self.frozen = False  # the tuner froze it (``pause``): no CPU time is no hang
         self.ended = False  # killed and reaped (``end``): the next forward starts another
+        self.forked = isinstance(start, zygote.Zygote)  # already running once made
+        if self.forked:
+            self.process, self.conn, self.armed, self.loaded = start.spawn(
+                serve_shadows, (manifest, backend), {"precision": precision})
+            self._child_end = None
+            return
+        ctx = start
+        self.conn, child = ctx.Pipe()
+        self.armed = ctx.Event()  # set by the child once it dies with this process
+        self.loaded = ctx.Event()  # ... and once its backend is loaded
         self.process = ctx.Process(target=serve_shadows,
                                    args=(child, manifest, backend, os.getpid(), self.armed,
                                          self.loaded, precision),
@@ -90,7 +103,8 @@ class _Child:
         self._child_end = child
 
     def started(self) -> None:
-        self._child_end.close()
+        if self._child_end is not None:
+            self._child_end.close()
 
     def end(self) -> None:
         """Kill it (a stopped one too) and reap it: no zombie stays behind."""
@@ -147,6 +161,11 @@ class ShadowProcess:
             done.set()
 
     def _start(self) -> _Child:
+        if (forks := zygote.current()) is not None:
+            try:
+                return _Child(forks, self._manifest, self._backend, self._precision)
+            except OSError as exc:  # the zygote died: spawned from here on
+                log.warning("shadow_zygote_failed error=%s action=spawn", exc)
         child = _Child(self._ctx, self._manifest, self._backend, self._precision)
         done, failed = threading.Event(), []
         self._forks.put((child, done, failed))

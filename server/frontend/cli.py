@@ -223,7 +223,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
     from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
     from vllm_srun.server.pool.pool import PoolOptions
-    from vllm_srun.server.pool.replica_factory import check_concurrent_forwards
+    from vllm_srun.server.pool.replica_factory import (
+        check_concurrent_forwards,
+        fork_in_process_zygotes,
+    )
     from vllm_srun.tuner.modes import effective_mode, learning_share, max_threads, parse_mode
 
     if args.mkl_cbwr:
@@ -238,6 +241,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     # R9.1: a spawned child of this process (the in-process worker's shadow process) starts as
     # `python -c`, which puts the working folder first on its module path unless told not to
     os.environ["PYTHONSAFEPATH"] = "1"
+    fork_in_process_zygotes(pool_options, config)
     sock = _bind(args.host, args.port)
     failed: list[str] = []
     server_box: list = []

@@ -32,7 +32,7 @@ from vllm_srun.server.pool.replicas import (
     Replica,
 )
 from vllm_srun.server.pool.states import ReplicaState
-from vllm_srun.server.worker.assembly import Worker
+from vllm_srun.server.worker.assembly import Worker, fork_shadow_zygote
 from vllm_srun.server.worker.spec import WorkerSpec
 from vllm_srun.tuner.modes import AdaptiveMode, effective_mode
 
@@ -108,6 +108,16 @@ def worker_spec(options: PoolOptions, dep: DeploymentConfig, device: str) -> Wor
                       dtype=dep.dtype or "float32", quality_gate=dep.thresholds(),
                       share_cores=not dep.shorthand and not is_gpu(device),
                       learning_share=options.learning_share)
+
+
+def fork_in_process_zygotes(options: PoolOptions, config) -> None:
+    """The in-process worker of a one-worker deployment learns in the server's own process:
+    fork that process's shadow zygote before anything loads (``tuner/zygote.py``)."""
+    for dep in config.deployments.values():
+        if dep.shorthand:
+            for r in dep.placements():
+                if r.endpoint is None:
+                    fork_shadow_zygote(worker_spec(options, dep, r.device))
 
 
 class ReplicaFactory:

@@ -23,6 +23,7 @@ from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.selection import PrecisionChoice, choose
 from vllm_srun.runtime.types import BackendName, ForwardRecord, Manifest
 from vllm_srun.server.worker.spec import WorkerSpec
+from vllm_srun.tuner import zygote
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
 from vllm_srun.tuner.core_rules import SharedCores
 from vllm_srun.tuner.cores import CoreShare, CoreShareError, cores_path
@@ -33,6 +34,14 @@ from vllm_srun.tuner.report import build, from_tuner, off_report
 from vllm_srun.tuner.shadows import ShadowProcess
 
 log = logging.getLogger(__name__)
+
+
+def fork_shadow_zygote(spec: WorkerSpec) -> None:
+    """Where this process is about to load a CPU worker that learns: fork now, before it loads
+    anything, the copy of this process its shadow processes are forked from, so they share
+    its libraries' memory (``tuner/zygote.py``)."""
+    if spec.mode is not AdaptiveMode.OFF and not is_gpu(spec.device):
+        zygote.prepare(spec.backend)
 
 
 def record_path(spec_path: str | None) -> Path:
@@ -113,6 +122,7 @@ class Worker:
             backend = self.wrap_backend(backend)
         precision = self.precision.precision.value
         if self.precision.refusal or spec.mode is AdaptiveMode.OFF or is_gpu(spec.device):
+            zygote.discard()  # no shadow process: a zygote made for one exits
             runner = Runner(manifest, backend, spec.args, on_forward=on_forward)
             if not self.precision.refusal and not is_gpu(spec.device):
                 self._share_cores(runner)

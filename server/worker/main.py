@@ -33,7 +33,7 @@ from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.lifetime import die_with_parent
 from vllm_srun.runtime.runner import Runner
 from vllm_srun.server.worker import protocol
-from vllm_srun.server.worker.assembly import Worker
+from vllm_srun.server.worker.assembly import Worker, fork_shadow_zygote
 from vllm_srun.server.worker.bridge import run
 from vllm_srun.server.worker.logs import configure as configure_logging
 from vllm_srun.server.worker.logs import log_format
@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None, wrap_backend=None) -> int:
         die_with_parent(args.parent_pid)
     import uvicorn
 
-    worker = Worker(WorkerSpec.from_json(args.spec), wrap_backend=wrap_backend,
-                    replica_id=args.replica_id)
+    spec = WorkerSpec.from_json(args.spec)
+    fork_shadow_zygote(spec)
+    worker = Worker(spec, wrap_backend=wrap_backend, replica_id=args.replica_id)
     loaded, metrics = Loaded(), WorkerMetrics(args.replica_id)
     sock = _owner_only_socket(args.socket)
     _load_in_background(worker, loaded, metrics)
