@@ -58,8 +58,9 @@ def _torch_builds() -> dict[str, str]:
 # in float64), so a host's stored golden answers and learned counts start afresh, not fail.
 ANSWERS_VERSION = 2
 # The same for the torch backend's kernels alone (1: bfloat16 ``Linear`` weights packed for
-# oneDNN, ``torch_fast.py``), so onnxruntime's learnings stay.
-TORCH_ANSWERS = 1
+# oneDNN, ``torch_fast.py``; 2: an attention's three projections one packed product), so
+# onnxruntime's learnings stay.
+TORCH_ANSWERS = 2
 
 
 def host_fingerprint(backend: BackendName | str, budget: int) -> tuple[str, dict]:

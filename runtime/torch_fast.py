@@ -12,6 +12,8 @@ oneDNN, then the whole module traced and frozen.
   (``host.TORCH_ANSWERS``). The packed copy is the process's own memory (21 MB for
   all-MiniLM-L6-v2), not the file a worker and its shadow process both map; the mapped
   originals' pages are dropped from the process once packed (``weights.release_pages``).
+  An attention's query, key and value projections are packed side by side as one product
+  (``_fuse_projections``): one oneDNN call instead of three.
 - **Traced**: TorchScript records the operators a forward runs, and its interpreter runs them
   without the profiling executor's optimizations (no fused kernels, no re-specialization per
   shape): the same aten operators in the same order, without transformers' Python between
@@ -188,6 +190,7 @@ def pack(torch, module) -> list:
 
     swapped = []
     try:
+        swapped += _fuse_projections(torch, op, module)
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear and child.weight.dtype == torch.bfloat16:
@@ -197,8 +200,71 @@ def pack(torch, module) -> list:
         log.warning("torch_pack_unused reason=%s", str(exc).splitlines()[0][:200])
         for parent, name, child in swapped:
             setattr(parent, name, child)
+            if hasattr(parent, FUSED):
+                delattr(parent, FUSED)
         return []
     return [child.weight for _, _, child in swapped]
+
+
+# An attention's query, key and value projections (BERT's names) read the same input: packed
+# side by side they are one product, then split. Each output is the same sum over the same
+# inputs as in its own product (bit for bit on the 2-vCPU Xeon, 1 and 2 threads), and one
+# oneDNN call costs less than three: one row of 8 tokens, one thread, 35 against 63 us
+# (53 against 72 at 32 tokens; the same from 1,024 tokens up).
+PROJECTIONS = ("query", "key", "value")
+FUSED = "fused_projections"
+
+
+def _fuse_projections(torch, op, module) -> list:
+    """Pack each module's ``PROJECTIONS`` (bfloat16 ``Linear`` layers over one input size)
+    as one product, registered beside them as ``FUSED``; each projection becomes a part of
+    it. Returns (parent, name, the ``Linear`` replaced) for each."""
+
+    class Fused(torch.nn.Module):
+        """The product of several ``Linear`` layers over one input. A part asks for its
+        slice for an input (``part``): the first part computes them all, the others take
+        theirs, so a trace records one product and its slices. (Run as loaded, another input
+        in between, as from a second forward at once, computes again: never a stale slice.)"""
+
+        def __init__(self, linears) -> None:
+            super().__init__()
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+                torch.cat([lin.weight.detach() for lin in linears]), None))
+            self.bias = (None if linears[0].bias is None else torch.nn.Parameter(
+                torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False))
+            self.widths = [lin.out_features for lin in linears]
+            self._last: tuple | None = None  # (an input, its slices)
+
+        def part(self, x, i: int):
+            last = self._last
+            if last is None or last[0] is not x:
+                last = (x, op(x, self.packed, self.bias).split(self.widths, -1))
+            # the last part ends the input's use: no tensor is held past it
+            self._last = None if i == len(self.widths) - 1 else last
+            return last[1][i]
+
+    class Part(torch.nn.Module):
+        def __init__(self, fused: Fused, i: int) -> None:
+            super().__init__()
+            self.i = i
+            object.__setattr__(self, "fused", fused)  # not a submodule: its parent holds it
+
+        def forward(self, x):
+            return self.fused.part(x, self.i)
+
+    swapped = []
+    for parent in list(module.modules()):
+        linears = [getattr(parent, name, None) for name in PROJECTIONS]
+        if not all(type(lin) is torch.nn.Linear and lin.weight.dtype == torch.bfloat16
+                   for lin in linears) or len({(lin.in_features, lin.bias is None)
+                                               for lin in linears}) != 1:
+            continue
+        fused = Fused(linears)
+        parent.add_module(FUSED, fused)
+        for i, (name, lin) in enumerate(zip(PROJECTIONS, linears, strict=True)):
+            setattr(parent, name, Part(fused, i))
+            swapped.append((parent, name, lin))
+    return swapped
 
 
 def _packed_linear(torch):

@@ -19,6 +19,7 @@ from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.precision import Precision
 from vllm_srun.runtime.threads import ThreadContext
+from vllm_srun.runtime import torch_fast
 from vllm_srun.runtime.torch_fast import faster, pack, packs, weights
 from vllm_srun.runtime.torch_model import load_module
 
@@ -127,7 +128,10 @@ def test_bfloat16_linear_weights_are_packed_where_onednn_runs_bfloat16():
                if type(m) is torch.nn.Linear]
     source = served.source  # the module the trace was made from
     packed = {b._cdata: name for name, b in source.named_buffers() if name.endswith(".packed")}
-    assert linears and len(packed) == len(linears)
+    # each layer's query, key and value projections: one packed product
+    fused = [name for name, _ in source.named_modules() if name.endswith(".fused_projections")]
+    assert len(fused) == source.inner.config.num_hidden_layers
+    assert linears and len(packed) == len(linears) - 2 * len(fused)
     assert not any(isinstance(m, torch.nn.Linear) for m in source.modules())
     # the frozen trace's products read the packed weights themselves (oneDNN's opaque
     # tensors), not copies: one per product (the pooler's, which no forward calls, unread)
@@ -137,6 +141,39 @@ def test_bfloat16_linear_weights_are_packed_where_onednn_runs_bfloat16():
     float32 = load_backend(resolve(L6), "torch").module
     assert not [name for name, _ in float32.source.named_buffers()
                 if name.endswith(".packed")]
+
+
+def test_the_fused_projections_answer_as_three_products(monkeypatch):
+    """The attention's query, key and value as one packed product answer as the three packed
+    on their own (a part given another's slice, or a slice of the wrong width, would not):
+    every row's cosine to theirs at least 0.99999, at 1 and 2 threads. The module as loaded,
+    run as a second forward at once would run it: a part whose input is not the one the
+    product was computed for computes it again."""
+    if not packs(Precision.BFLOAT16):
+        pytest.skip("oneDNN does not run bfloat16 on this CPU: weights stay as loaded")
+    with torch.inference_mode():
+        fused = load_module(resolve(L6), Precision.BFLOAT16)
+        pack(torch, fused)
+        monkeypatch.setattr(torch_fast, "PROJECTIONS", ("no", "such", "names"))
+        apart = load_module(resolve(L6), Precision.BFLOAT16)
+        pack(torch, apart)
+    assert not [n for n, _ in apart.named_modules() if n.endswith("fused_projections")]
+    attention = next(m for n, m in fused.named_modules() if n.endswith("attention.self"))
+    lanes = ThreadContext()
+    try:
+        for batch in batches(fused.inner.config, False):
+            args = [torch.from_numpy(a) for a in (batch.input_ids, batch.attention_mask)]
+            for n in (1, 2):
+                def both(args=args):
+                    with torch.inference_mode():
+                        x = torch.ones(1, 3, 384, dtype=torch.bfloat16)
+                        attention.query(x)  # a product for another input, left half used
+                        return fused(*args).float(), apart(*args).float()
+                got, want = lanes.run(n, both)
+                cos = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1))
+                assert cos.min() >= 0.99999, (batch.rows, n, cos.min())
+    finally:
+        lanes.shutdown()
 
 
 @pytest.mark.parametrize("precision", [Precision.FLOAT32, Precision.BFLOAT16])
