@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tests.conftest import L6
+from vllm_srun.runtime import torch_fast
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.precision import Precision
 from vllm_srun.runtime.threads import ThreadContext
-from vllm_srun.runtime import torch_fast
 from vllm_srun.runtime.torch_fast import faster, pack, packs, weights
 from vllm_srun.runtime.torch_model import load_module
 
