@@ -81,7 +81,7 @@ class _Child:
     """One child process of a ``ShadowProcess``, and its end of the pipe."""
 
     def __init__(self, start, manifest: Manifest, backend: str, precision: str) -> None:
-        """``start``: this process's ``zygote.Zygote`` (forks the child) or a multiprocessing
+        """``start``: this process's ``zygote.Zygote`` (becomes the child) or a multiprocessing
         context (spawns it)."""
         self.frozen_ok = False
         self.frozen = False  # the tuner froze it (``pause``): no CPU time is no hang

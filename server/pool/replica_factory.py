@@ -112,7 +112,8 @@ def worker_spec(options: PoolOptions, dep: DeploymentConfig, device: str) -> Wor
 
 def fork_in_process_zygotes(options: PoolOptions, config) -> None:
     """The in-process worker of a one-worker deployment learns in the server's own process:
-    fork that process's shadow zygote before anything loads (``tuner/zygote.py``)."""
+    fork that process's zygote (its shadow process to be) before anything loads
+    (``tuner/zygote.py``)."""
     for dep in config.deployments.values():
         if dep.shorthand:
             for r in dep.placements():

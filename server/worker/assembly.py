@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 def fork_shadow_zygote(spec: WorkerSpec) -> None:
     """Where this process is about to load a CPU worker that learns: fork now, before it loads
-    anything, the copy of this process its shadow processes are forked from, so they share
-    its libraries' memory (``tuner/zygote.py``)."""
+    anything, the copy of this process that becomes the worker's shadow process, so the two
+    share the libraries' memory (``tuner/zygote.py``)."""
     if spec.mode is not AdaptiveMode.OFF and not is_gpu(spec.device):
         zygote.prepare(spec.backend)
 
