@@ -36,7 +36,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-from vllm_srun.runtime.lifetime import die_with_parent
+from vllm_srun.runtime.lifetime import die_with_parent, set_process_name
 
 log = logging.getLogger(__name__)
 
@@ -173,38 +173,26 @@ class Zygote:
             ours.close()
             _zygote_main(theirs, parent)  # does not return
         theirs.close()
-        self.pid, self._sock, self._used = pid, ours, False
+        self.pid, self.process, self._sock, self._used = pid, Forked(pid), ours, False
         self._lock = threading.Lock()
 
     def waiting(self) -> bool:
-        """Not yet used, and alive."""
-        if self._used:
-            return False
-        try:
-            pid, _ = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid = self.pid
-        if pid:
+        """Not yet used, and alive (one that died is reaped)."""
+        if not self._used and not self.process.is_alive():
             self._used = True
         return not self._used
 
     def discard(self) -> None:
-        """Unused, it exits (its socket closed), and is reaped."""
+        """Unused, it exits (its socket closed: the end of its wait), and is reaped; killed
+        if it has not exited after ``_DISCARD_WAIT_S``."""
         with self._lock:
             if self._used:
                 return
             self._used = True
             self._sock.close()
-        end = time.monotonic() + _DISCARD_WAIT_S
-        while time.monotonic() < end:
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(self.pid, os.WNOHANG)[0] == 0:
-                    time.sleep(_JOIN_POLL_S)
-                    continue
-            return
-        with contextlib.suppress(OSError):
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
+        self.process.join(_DISCARD_WAIT_S)
+        self.process.kill()
+        self.process.join()
 
     def spawn(self, target, args: tuple, kwargs: dict
               ) -> tuple[Forked, Connection, Flag, Flag]:
@@ -230,16 +218,8 @@ class Zygote:
             conn_theirs.close()
             status_theirs.close()
         status = Status(status_ours)
-        return (Forked(self.pid), Connection(conn_ours.detach()), status.flag(b"a"),
+        return (self.process, Connection(conn_ours.detach()), status.flag(b"a"),
                 status.flag(b"l"))
-
-
-def _name(comm: bytes) -> None:
-    """The process's name in ``ps`` and ``/proc/<pid>/comm`` (it kept its parent's)."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(15, ctypes.c_char_p(comm))  # PR_SET_NAME
 
 
 def _zygote_main(sock: socket.socket, parent: int) -> None:
@@ -247,7 +227,7 @@ def _zygote_main(sock: socket.socket, parent: int) -> None:
     try:
         die_with_parent(parent, signal.SIGKILL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _name(ZYGOTE_NAME)
+        set_process_name(ZYGOTE_NAME)
         gc.freeze()
         try:
             msg, fds, _, _ = socket.recv_fds(sock, _MSG_BYTES, 2)
@@ -255,7 +235,7 @@ def _zygote_main(sock: socket.socket, parent: int) -> None:
             msg, fds = b"", []
         sock.close()
         if msg and len(fds) == 2:
-            _name(CHILD_NAME)
+            set_process_name(CHILD_NAME)
             target, args, kwargs = pickle.loads(msg)
             status = Status(socket.socket(fileno=fds[1]))
             target(Connection(fds[0]), *args, parent=parent, armed=status.flag(b"a"),
