@@ -20,6 +20,7 @@ from vllm_srun.tuner.estimator import (
     estimate,
     fastest_under,
     load_factor,
+    out_of_reach,
     past_a_slower_count,
     served_cost_ms,
     served_sample_ms,
@@ -118,6 +119,23 @@ def test_counts_past_a_slower_one_are_not_timed_and_the_rest_decide():
                   0.05, 48) == 2
     # on two counts nothing lies past either
     assert past_a_slower_count({1: [10.0] * 3, 2: [20.0] * 3}, (1, 2)) == set()
+
+
+def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_decide():
+    """R4.12: a count the host's core ledger served below more often than it was timed is
+    no longer timed, nor any count above it, never the configured one; the rule then
+    decides among the rest (16 refused on every try kept a range exploring for good)."""
+    counts = (1, 2, 4, 8, 16)
+    samples = {1: [20.0] * 12, 2: [11.0] * 12, 4: [6.0] * 12, 8: [5.0] * 12, 16: [4.0] * 2}
+    assert out_of_reach({}, samples, counts, 8) == set()
+    assert out_of_reach({16: 2}, samples, counts, 8) == set()  # refused as often as timed
+    assert out_of_reach({16: 3}, samples, counts, 8) == {16}
+    assert out_of_reach({8: 13, 16: 1}, samples, counts, 4) == {8, 16}  # and all above
+    assert out_of_reach({8: 13}, samples, counts, 8) == {16}  # never the configured count
+    assert counts_needing_samples(samples, counts, 12) == [16]
+    assert choose(samples, counts, 8, 12, 0.05, 48) is None  # waits for 16's samples
+    reach = [n for n in counts if n not in out_of_reach({16: 3}, samples, counts, 8)]
+    assert choose(samples, reach, 8, 12, 0.05, 48) == 8
 
 
 def test_exploring_goes_outward_from_the_served_count():

@@ -405,6 +405,26 @@ def test_herd_sets_changes_close_in_time_against_independent_ones():
     assert herd(Outcome(), 4, 100.0).changes == 0
 
 
+def test_a_range_learns_without_the_counts_the_core_ledger_keeps_out_of_reach():
+    """R4.12, R4.5: mode 2 on 16 cores, configured 4, beside a core ledger that never
+    gives more than 4 threads (other workers hold the rest). The counts above 4, tried in
+    turn, run at 4 and give themselves no samples; once refused more often than timed they
+    are out of the range's reach and it learns among 1, 2 and 4, where before it explored on,
+    serving every count in turn, for as long as the load lasted."""
+    def at_most_4(worker, wanted, others, lower, held):
+        return min(wanted, 4)
+
+    host = SimulatedHost(TimeModel(16, flat()), seed=7, configured=4, counts=(1, 2, 4, 8, 16),
+                         noise=QUIET, max_rows=1, cores_hook=at_most_4)
+    out = host.run(poisson_trace(40, 60, [64, 256], seed=7))
+    ranges = host.tuners[0].learner.ranges
+    assert set(ranges) == {64, 256}
+    for lo, r in ranges.items():
+        assert r.learned == 4 and r.refused.keys() <= {8, 16}, (lo, r.phase, r.refused)
+    explored = sum(out.explored)
+    assert explored < 0.2 * len(out.explored), explored  # learning ended early in the run
+
+
 def test_workers_of_one_scope_start_from_what_a_sibling_learned():
     """R4.12 on the simulated host: each worker's record watch runs on the virtual clock
     (every ``watch_s``, staggered), so a count one worker learned and flushed reaches the

@@ -180,3 +180,18 @@ def test_a_count_past_a_slower_one_is_reported_as_not_timed():
     assert counts["1"] == {"median_ms": None, "interval_ms": None, "p90_ms": None,
                            "samples": 0, "not_timed": "past a slower count"}
     assert "not_timed" not in counts["2"] and "past slower" in table(rep)
+
+
+def test_a_count_the_core_ledger_kept_out_of_reach_is_reported_as_refused():
+    """R4.12: a count the host's core ledger served lower more often than it was timed is
+    no longer timed (``estimator.out_of_reach``); the report says so and how often."""
+    r = RangeLearning(Phase.EXPLORING, samples={1: [14.0] * 12, 2: [10.0] * 12},
+                      refused={4: 3})
+    rep = build(ReportInput(AdaptiveMode.SERVE, 2, (1, 2, 4), {32: r},
+                            RecordState(SCOPE, Voucher(0, 0, False), None, None),
+                            DecisionRule(S.learning.margin, S.learning.min_samples)))
+    counts = rep["ranges"][0]["counts"]
+    assert counts["4"] == {"median_ms": None, "interval_ms": None, "p90_ms": None,
+                           "samples": 0, "not_timed": "the core ledger refused it",
+                           "refused": 3}
+    assert "refused" not in counts["2"] and "refused" in table(rep)

@@ -264,7 +264,7 @@ class AdaptiveThreads(ShadowSteps):
         frozen = freezer.served_started(want)
         self.tally.frozen_beside += frozen and sharing
         return Timed(frozen, frozen or not flight.shadowing, flight.shadow_epoch, contention,
-                     sampling)
+                     sampling, n)
 
     def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
         """A served forward ended (``None``: it failed)."""
@@ -285,7 +285,7 @@ class AdaptiveThreads(ShadowSteps):
             self.side.verifier.note(batch, result)
             # a sample where shadows were frozen, or none ran beside it
             if learner.served(batch, result, timed.contention,
-                              timed.sampling and self.flight.alone(timed), now):
+                              timed.sampling and self.flight.alone(timed), now, timed.chosen):
                 self.gate.waiting_gap = False
                 self.lock.notify_all()
 

@@ -24,6 +24,7 @@ class Timed:
     shadow_epoch: int  # ``InFlight.shadow_epoch`` then
     contention: str | None  # "fallback": served below the learned count (free cores)
     sampling: bool  # its time may be a sample (its range explores, or is new)
+    chosen: int = 0  # the count the tuner chose for it (the core ledger may serve less)
 
 
 NOT_TIMED = Timed(False, False, -1, None, False)

@@ -28,6 +28,7 @@ from vllm_srun.tuner.estimator import (
     choose,
     counts_to_sample,
     load_factor,
+    out_of_reach,
     served_cost_ms,
     served_sample_ms,
     speedup,
@@ -71,8 +72,13 @@ class Learner(Relearning):
                                 s.min_samples, s.max_samples, s.margin)
 
     def explored(self, r: RangeLearning) -> tuple[int, ...]:
-        """The counts a range times: a sibling's candidate and the configured count, or all."""
-        return self.counts if r.candidate is None else (self.configured, r.candidate)
+        """The counts a range times: a sibling's candidate and the configured count, or all;
+        less those the host's core ledger keeps out of its reach (``estimator.out_of_reach``)."""
+        counts = self.counts if r.candidate is None else (self.configured, r.candidate)
+        if not r.refused:
+            return counts
+        out = out_of_reach(r.refused, r.per_token, counts, self.configured)
+        return tuple(n for n in counts if n not in out)
 
     def adopt(self, candidates: dict[int, int]) -> None:
         """R4.12: range -> a count a live sibling of the scope learned there. A range that has
@@ -118,15 +124,21 @@ class Learner(Relearning):
             self.settle_all()
 
     def served(self, batch: TokenBatch, result: ForwardResult, contention: str | None,
-               sample: bool, now: float) -> bool:
+               sample: bool, now: float, chosen: int = 0) -> bool:
         """A served forward ended while learning: a learned range watches its time
         (``watch_served``); an exploring one takes it as a ``sample`` where no shadow ran
         beside it. Either way its time is divided by the load factor of the cores other tasks
         left it (``estimator.served_sample_ms``): the count's time with its cores free; none
-        where half or more of it was other tasks'. Returns whether the batch became its
-        range's due shadow work."""
+        where half or more of it was other tasks'. An exploring range whose ``chosen`` count
+        ran at fewer threads (the host's core ledger refused it) counts the refusal
+        (``estimator.out_of_reach``). Returns whether the batch became its range's due
+        shadow work."""
         lo = size_range(batch.padded_tokens)[0]
         r = self.ranges.setdefault(lo, RangeLearning())
+        if r.exploring and result.num_threads < chosen:
+            r.refused[chosen] = r.refused.get(chosen, 0) + 1
+            if not sample:
+                self.update(lo, r)  # out of reach now, it may leave the rule sure
         free = self.free_cores.at(now)
         factor = load_factor(result.num_threads, free)
         ms = served_sample_ms(result.forward_s * 1000, factor)

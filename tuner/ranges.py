@@ -64,6 +64,9 @@ class RangeLearning:
     # its own timing rejected (``learning.Learner.adopt``)
     candidate: int | None = None
     rejected: set[int] = field(default_factory=set)
+    # R4.12: count -> forwards this range explored it on that the host's core ledger served
+    # below it (``estimator.out_of_reach``)
+    refused: dict[int, int] = field(default_factory=dict)
 
     @property
     def learned_from(self) -> str | None:

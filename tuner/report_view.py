@@ -15,6 +15,9 @@ def tables(doc: dict) -> str:
     return "\n".join(out)
 
 
+NOT_TIMED = {"past a slower count": "past slower", "the core ledger refused it": "refused"}
+
+
 def table(report: dict) -> str:
     counts = [str(n) for n in report["allowed_counts"]]
     stat = report["decision_statistic"].removesuffix("_ms")
@@ -27,7 +30,7 @@ def table(report: dict) -> str:
         for n in counts:
             c = r["counts"][n]
             low, high = c.get("interval_ms") or (c["median_ms"], c["median_ms"])
-            cells.append(("past slower" if c.get("not_timed") else "-") if not c["samples"] else
+            cells.append(NOT_TIMED.get(c.get("not_timed"), "-") if not c["samples"] else
                          f"{c[report['decision_statistic']]:.2f} [{low:.2f}-{high:.2f}]/"
                          f"{c['p90_ms']:.2f}/{c['samples']}")
         cells += [str(r["learned_threads"] or "-"),
