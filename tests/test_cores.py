@@ -16,7 +16,7 @@ import pytest
 from vllm_srun.runtime.engine import FixedThreads
 from vllm_srun.tuner import cadence
 from vllm_srun.tuner.core_ledger import SLOTS
-from vllm_srun.tuner.core_rules import HELD_SLACK, SharedCores, grant, room
+from vllm_srun.tuner.core_rules import HELD_SLACK, SharedCores, fair_share, grant, room
 from vllm_srun.tuner.cores import CoreShare, CoreShareError
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fcntl OFD locks")
@@ -57,6 +57,24 @@ def test_grant_serves_the_largest_count_below_that_fits_where_the_tuner_offers_t
     at most what the room leaves it, less a thread for each other worker idle now, at the
     configured count too, as long as a count that answers the same fits."""
     assert grant(want, floor, others, idle, room_, lower) == granted
+
+
+@pytest.mark.parametrize(("want", "others", "idle", "room_", "workers", "granted"), [
+    (8, 0, 7, 35, 8, 4),   # a neighbour on 29 of 64 cores: 7 idle workers keep 4 each
+    (8, 0, 7, 64, 8, 8),   # no neighbour: 8 each fits
+    (8, 2, 6, 35, 8, 8),   # a busy worker on 2 (below its 4) leaves the rest of its share
+    (8, 12, 5, 35, 8, 2),  # busy ones above their share: what is left
+    (16, 0, 1, 16, 2, 8),  # two workers on 16 cores
+])
+def test_an_idle_worker_keeps_its_fair_share_of_the_room(want, others, idle, room_, workers,
+                                                         granted):
+    """R4.12: each other worker idle now keeps its fair share of the room (the room over
+    the live workers, at least 1), not one thread: with one thread kept, the workers that
+    claimed first took 8 each beside a neighbour on half the cores and left the last ones
+    1 or 2 (simulated, 64 cores, 8 workers)."""
+    share = fair_share(room_, workers)
+    assert grant(want, 1, others, idle, room_, (1, 2, 4, 8), share) == granted
+    assert (fair_share(35, 8), fair_share(4, 8), fair_share(64, 0)) == (4, 1, 64)
 
 
 @pytest.mark.parametrize(("budget", "held", "expected"), [
@@ -115,15 +133,15 @@ def test_workers_claiming_at_once_never_hold_more_than_the_budget(tmp_path):
 
 def _hold_a_claim(path: str, ready) -> None:
     share = CoreShare.open(path, BUDGET, "doomed")
-    share.claim(6, 1)
-    ready.set()
+    if share.claim(4, 1) == 4:  # fits beside the idle survivor's share (8 over 2)
+        ready.set()
     time.sleep(600)  # killed mid-forward
 
 
 @linux
 def test_a_worker_killed_holding_a_claim_is_reclaimed(tmp_path):
-    """A worker SIGKILLed while its forward holds 6 of 8 threads: while it lives, another is
-    refused 4 (and its slot is not taken for dead); once it is dead, the next refusal clears
+    """A worker SIGKILLed while its forward holds 4 of 8 threads: while it lives, another is
+    refused 6 (and its slot is not taken for dead); once it is dead, the next refusal clears
     its slot and the grant passes."""
     path = tmp_path / "host.cores"
     ready = SPAWN.Event()
@@ -132,12 +150,12 @@ def test_a_worker_killed_holding_a_claim_is_reclaimed(tmp_path):
     share = CoreShare.open(path, BUDGET, "survivor", reap_s=0.0)
     try:
         assert ready.wait(60)
-        assert share.claim(4, 1) == 1  # alive: its 6 count
+        assert share.claim(6, 1) == 1  # alive: its 4 count
         assert share.tally.reaped == 0 and doomed.pid in [s.pid for s in share.slots()]
         share.release()
         os.kill(doomed.pid, signal.SIGKILL)
         doomed.join(30)
-        assert share.claim(4, 1) == 4
+        assert share.claim(6, 1) == 6
         assert share.tally.reaped == 1 and [s.pid for s in share.slots()] == [os.getpid()]
     finally:
         share.close()
@@ -153,9 +171,9 @@ def test_a_forward_just_ended_still_counts_for_its_linger(tmp_path):
     idle = CoreShare.open(path, BUDGET, "idle", linger_s=0.0)
     other = CoreShare.open(path, BUDGET, "other")
     try:
-        busy.claim(6, 1)
+        assert busy.claim(4, 1) == 4  # the two idle keep 2 each (8 over 3 workers)
         busy.release()
-        assert other.claim(4, 1) == 1  # 6 lingering + 4 > 8
+        assert other.claim(4, 1) == 1  # 4 lingering + 2 for the idle one + 4 > 8
         other.release()
         idle.claim(6, 1)
         idle.release()

@@ -23,17 +23,32 @@ if TYPE_CHECKING:
 HELD_SLACK = 0.5
 
 
+def fair_share(budget: int, workers: int) -> int:
+    """The threads each of ``workers`` live workers would have with ``budget`` split evenly
+    among them, at least 1."""
+    return max(1, budget // max(1, workers))
+
+
 def grant(want: int, floor: int, in_use_by_others: int, idle_others: int, budget: int,
-          lower: Sequence[int] = ()) -> int:
+          lower: Sequence[int] = (), share: int = 1) -> int:
     """The count a worker may serve: ``want`` where the other workers' threads plus it, plus
-    one thread for each other worker that runs nothing now (``idle_others``: it may start a
-    forward any moment, and takes at least one), stay within ``budget``; else the largest
-    count below it that does, of ``lower`` (counts that answer as ``want`` does: mode 2's
-    vouched counts for the shape) and ``floor`` (the configured count, exact at every
-    vouched count), else the smallest of them. With nothing below ``want`` to serve instead
-    (``want`` at most ``floor``, no ``lower``), ``want``: the configured count and those
-    below it are never refused for want of another."""
-    taken = in_use_by_others + idle_others
+    ``share`` threads for each other worker that runs nothing now (``idle_others``: it may
+    start a forward any moment; the caller passes ``fair_share`` of the budget), stay
+    within ``budget``; else the largest count below it that does, of ``lower`` (counts that
+    answer as ``want`` does: mode 2's vouched counts for the shape) and ``floor`` (the
+    configured count, exact at every vouched count), else the smallest of them. With
+    nothing below ``want`` to serve instead (``want`` at most ``floor``, no ``lower``),
+    ``want``: the configured count and those below it are never refused for want of
+    another.
+
+    Why an idle worker keeps its fair share rather than one thread: speed-ups are concave
+    in the count, and with one thread kept for it the workers that claimed first took 8
+    threads each while the neighbour held half the cores, leaving the others 1 or 2 where a
+    fixed 4 gave each 4 (simulated, 64 cores, 8 workers); a forward that starts on an idle
+    worker now finds its share, and a busy worker may still take what busy workers below
+    their share leave. Where counts above a share were refused while a range explored,
+    they are out of its reach (``estimator.out_of_reach``) and it learns among the rest."""
+    taken = in_use_by_others + idle_others * share
     if taken + want <= budget:
         return want
     below = sorted({n for n in (*lower, floor) if n < want}, reverse=True)

@@ -8,13 +8,13 @@ pid, the threads of its served forward, since when, until when they count (while
 and ``LINGER_S`` after it ended: under load the worker's next forward is about to start),
 and its configured count. The room is the budget less the cores other tasks hold (a
 neighbour, the front end: ``FreeCpus.held``, read off the served path). A count serves
-where the other workers' threads plus it fit the room; else the largest count below it
-that fits and answers the same (the configured count; in mode 2 the vouched counts for the
-shape), else the smallest of those. Each worker's own forward time cannot see this: a
-worker that takes more threads takes a larger share of oversubscribed cores, so each
-worker alone learns more threads than the host can give all of them (simulated, 64 cores,
-8 workers, a neighbour on up to half: the workers' served threads passed the cores 1.6-2.8%
-of the time, and all forwards ran slower).
+where the other workers' threads, a fair share of the room for each idle one, and it fit
+the room; else the largest count below it that fits and answers the same (the configured
+count; in mode 2 the vouched counts for the shape), else the smallest of those. Each
+worker's own forward time cannot see this: a worker that takes more threads takes a larger
+share of oversubscribed cores, so each worker alone learns more threads than the host can
+give all of them (simulated, 64 cores, 8 workers, a neighbour on up to half: the workers'
+served threads passed the cores 1.6-2.8% of the time, and all forwards ran slower).
 
 The check and the slot's write happen under an exclusive lock on the file, tried
 ``LOCK_TRIES`` times without waiting: a worker that finds another one checking all along
@@ -58,7 +58,7 @@ from vllm_srun.tuner.core_ledger import (
     open_fd,
     unlock_file,
 )
-from vllm_srun.tuner.core_rules import grant, room
+from vllm_srun.tuner.core_rules import fair_share, grant, room
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,9 @@ class CoreShare:
         else:
             try:
                 budget = self.room_now()
-                granted = grant(want, floor, *self._others(), budget, lower)
+                granted = self._grant(want, floor, budget, lower)
                 if granted != want and self._reap_due():
-                    granted = grant(want, floor, *self._others(), budget, lower)
+                    granted = self._grant(want, floor, budget, lower)
                 led.threads[index] = granted  # under the lock: the next check counts it
                 led.until[index] = RUNNING
             finally:
@@ -230,13 +230,17 @@ class CoreShare:
         finally:
             self.ledger.drop()
 
-    def _others(self) -> tuple[int, int]:
-        """``in_use`` less this worker's own, and how many other workers hold a slot but no
-        threads now (under the file lock)."""
+    def _grant(self, want: int, floor: int, budget: int, lower: Sequence[int]) -> int:
+        """``grant`` as the slots stand (under the file lock): the other workers' threads
+        (``in_use`` less this worker's own), how many other workers hold a slot but no
+        threads now, each keeping its ``fair_share`` of ``budget`` among the live workers."""
         led = self.ledger
         led.until[self._index] = 0  # rewritten by the caller
         counting = led.until > time.monotonic_ns()
-        return int(led.threads[counting].sum()), int(np.count_nonzero(led.pid[~counting])) - 1
+        idle = int(np.count_nonzero(led.pid[~counting])) - 1
+        live = int(np.count_nonzero(led.pid))
+        return grant(want, floor, int(led.threads[counting].sum()), idle, budget, lower,
+                     fair_share(budget, live))
 
     def _reap_due(self) -> bool:
         """Clear dead workers' slots, at most once every ``reap_s`` (under the file lock);

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_srun.tuner.adaptive import TunerSettings
-from vllm_srun.tuner.core_rules import grant, room
+from vllm_srun.tuner.core_rules import fair_share, grant, room
 from vllm_srun.tuner.modes import allowed_counts
 from vllm_srun.tuner.sim_calibration import REFERENCE, TimeModel, calibrated
 from vllm_srun.tuner.sim_host import (
@@ -203,14 +203,16 @@ def summarise(name: str, outcome: Outcome, workers: int, duration_s: float) -> R
 
 def ledger(cores: int, configured: int, workers: int) -> CoresHook:
     """``tuner/cores.py``'s rules as the host's hook: a count serves where the other workers'
-    served threads, one thread for each other worker serving nothing, and it fit the cores
+    served threads, a fair share of the room for each other worker serving nothing
+    (``fair_share``), and it fit the cores
     the neighbour leaves (``room``, as read over the last window), else the largest count
     below it the tuner may serve that does (``grant``; the ledger's linger after a forward
     ends is not modelled)."""
     def hook(worker: int, want: int, others: Sequence[int], lower: Sequence[int],
              held: float | None) -> int:
-        return grant(want, configured, sum(others), workers - 1 - len(others),
-                     room(cores, held), lower)
+        budget = room(cores, held)
+        return grant(want, configured, sum(others), workers - 1 - len(others), budget, lower,
+                     fair_share(budget, workers))
 
     return hook
 
