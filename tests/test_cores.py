@@ -48,14 +48,15 @@ def test_grant_allows_a_higher_count_only_within_the_budget(want, floor, others,
     (16, 8, 50, 0, 60, (1, 2, 4), 8),  # above the configured count: the configured one fits
     (16, 8, 53, 0, 60, (1, 2, 4), 4),  # ... and below it
     (4, 8, 56, 0, 60, (1, 2), 4),      # fits: as wanted
-    (8, 8, 0, 3, 8, (1, 2, 4), 4),     # three idle workers keep a thread each
+    (8, 8, 0, 3, 8, (1, 2, 4), 4),     # three idle workers keep a share (1 thread) each
     (16, 8, 0, 7, 64, (1, 2, 4), 16),  # ... and on 64 cores take nothing a worker needs
 ])
 def test_grant_serves_the_largest_count_below_that_fits_where_the_tuner_offers_them(
         want, floor, others, idle, room_, lower, granted):
     """R4.12 with mode 2's vouched counts below the wanted one (``lower``): a worker serves
-    at most what the room leaves it, less a thread for each other worker idle now, at the
-    configured count too, as long as a count that answers the same fits."""
+    at most what the room leaves it, less the share each other worker idle now keeps (1
+    thread here; its fair share in the ledger, below), at the configured count too, as long
+    as a count that answers the same fits."""
     assert grant(want, floor, others, idle, room_, lower) == granted
 
 
