@@ -63,6 +63,7 @@ SWEEP: dict[str, tuple] = {
     "budget_fraction": (0.25, 0.5, 1.0),
     "starved_s": (0.25, 1.0, 4.0),
     "retry_backoff_max_s": (0.0, 1.0, 8.0, 60.0),
+    "held_out_s": (2.5, 5.0, 10.0, 20.0, 1e9),
 }
 
 

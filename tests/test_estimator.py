@@ -136,6 +136,12 @@ def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_dec
     assert choose(samples, counts, 8, 12, 0.05, 48) is None  # waits for 16's samples
     reach = [n for n in counts if n not in out_of_reach({16: 3}, samples, counts, 8)]
     assert choose(samples, reach, 8, 12, 0.05, 48) == 8
+    # held out by other tasks' load for ``held_out_s``: the configured count too, and above
+    assert out_of_reach({}, samples, counts, 8, held_out=[8]) == {8, 16}
+    assert out_of_reach({4: 13}, samples, counts, 8, held_out=[8]) == {4, 8, 16}
+    assert out_of_reach({16: 3}, samples, counts, 8, held_out=[8]) == {8, 16}
+    assert out_of_reach({}, samples, counts, 8, held_out=[1, 4]) == {4, 8, 16}  # 1 stays
+    assert out_of_reach({}, samples, counts, 8, held_out=[1]) == set()
 
 
 def test_exploring_goes_outward_from_the_served_count():

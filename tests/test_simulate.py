@@ -425,6 +425,28 @@ def test_a_range_learns_without_the_counts_the_core_ledger_keeps_out_of_reach():
     assert explored < 0.2 * len(out.explored), explored  # learning ended early in the run
 
 
+def test_a_range_decides_without_the_counts_a_neighbour_keeps_from_being_tried():
+    """R4.5, R4.8: mode 2 on 16 cores, configured 8, beside a neighbour on 12 cores for the
+    whole run. A forward at 8 or 16 would take twice its time or more beside it, so exploring
+    on served forwards never tries them and they give no samples; after ``held_out_s`` of
+    that they are out of the range's reach (the configured count too) and it decides. Without
+    the rule (``held_out_s`` past the run) the ranges explore to the end."""
+    from vllm_srun.tuner.settings import TunerSettings
+
+    def run(held_out_s: float):
+        host = SimulatedHost(TimeModel(16, flat()), [Neighbour(12, 0.0)], seed=11,
+                             configured=8, counts=(1, 2, 4, 8, 16), noise=QUIET, max_rows=1,
+                             settings=TunerSettings.of(background=False,
+                                                       held_out_s=held_out_s))
+        host.run(poisson_trace(40, 60, [64, 256], seed=11))
+        return host.tuners[0].learner.ranges
+
+    ranges = run(20.0)
+    assert set(ranges) == {64, 256}
+    assert not any(r.exploring for r in ranges.values()), [r.phase for r in ranges.values()]
+    assert all(r.exploring for r in run(1e9).values())
+
+
 def test_workers_of_one_scope_start_from_what_a_sibling_learned():
     """R4.12 on the simulated host: each worker's record watch runs on the virtual clock
     (every ``watch_s``, staggered), so a count one worker learned and flushed reaches the

@@ -211,19 +211,26 @@ def ruled_out(samples_by_count: Mapping[int, Sequence[float]],
 
 
 def out_of_reach(refused: Mapping[int, int], samples_by_count: Mapping[int, Sequence[float]],
-                 counts: Sequence[int], configured: int) -> set[int]:
+                 counts: Sequence[int], configured: int, held_out: Sequence[int] = ()) -> set[int]:
     """Counts a range no longer times because the host's cores would not give them (R4.12:
     the core ledger serves a count that does not fit beside the other workers' at a lower
     one): the smallest count ``refused`` more often than it was timed, and every count above
     it (more threads fit less often), never the configured count. Such a count, tried in
     turn, served mostly at counts below it and gave itself few samples: a range waiting for
     its samples explored on, serving every count in turn, 1 thread among them (simulated, 64
-    cores, 8 workers, a neighbour on 29: most ranges still exploring after 120 s)."""
+    cores, 8 workers, a neighbour on 29: most ranges still exploring after 120 s). Also the
+    smallest count ``held_out`` (other tasks' load kept it from being tried for
+    ``held_out_s``: ``Learner.explore_served``) but the smallest allowed, and every count
+    above it, the configured one too: beside a neighbour on half of 16 cores for a whole
+    run, the configured 8 was never tried and its range explored on (97% of forwards)."""
     refusing = [n for n in counts if refused.get(n, 0) > len(samples_by_count.get(n, ()))]
-    if not refusing:
-        return set()
-    least = min(refusing)
-    return {n for n in counts if n >= least and n != configured}
+    out: set[int] = set()
+    if refusing:
+        out |= {n for n in counts if n >= min(refusing) and n != configured}
+    held = [n for n in held_out if n > min(counts)]  # the fewest threads stay: no fewer run
+    if held:
+        out |= {n for n in counts if n >= min(held)}
+    return out
 
 
 def counts_needing_samples(samples_by_count: Mapping[int, Sequence[float]],

@@ -58,6 +58,7 @@ class Learner(Relearning):
         self.tally = tally  # it counts the served samples it took, or could not
         self.worker = worker  # named in the drift it records
         self.ranges: dict[int, RangeLearning] = {}
+        self.now = 0.0  # the last served forward's start seen exploring (``explore_served``)
         self.board = JobBoard(settings, ledger, self.ranges, self.need)
 
     # -- what a range needs ----------------------------------------------------------------
@@ -75,10 +76,16 @@ class Learner(Relearning):
         """The counts a range times: a sibling's candidate and the configured count, or all;
         less those the host's core ledger keeps out of its reach (``estimator.out_of_reach``)."""
         counts = self.counts if r.candidate is None else (self.configured, r.candidate)
-        if not r.refused:
+        if not r.refused and not r.held:
             return counts
-        out = out_of_reach(r.refused, r.per_token, counts, self.configured)
-        return tuple(n for n in counts if n not in out)
+        long = self.settings.learning.held_out_s
+        held_out = [n for n, t in r.held.items() if self.now - t >= long]
+        for among in (counts, self.counts):  # a sibling's pair all out: every count
+            out = out_of_reach(r.refused, r.per_token, among, self.configured, held_out)
+            kept = tuple(n for n in among if n not in out)
+            if kept:
+                return kept
+        return self.counts[:1]  # (the smallest count is never out of reach)
 
     def adopt(self, candidates: dict[int, int]) -> None:
         """R4.12: range -> a count a live sibling of the scope learned there. A range that has
@@ -103,8 +110,17 @@ class Learner(Relearning):
             r.explore_served = True
             log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
         free = self.free_cores.at(now)
-        need = [k for k in self.need(r)
-                if served_sample_ms(1.0, load_factor(k, free)) is not None]
+        self.now = now
+        need = []
+        for k in self.need(r):
+            if served_sample_ms(1.0, load_factor(k, free)) is None:
+                r.held.setdefault(k, now)
+            else:
+                r.held.pop(k, None)
+                need.append(k)
+        if not need and r.held:
+            self.update(lo, r)  # a count held out of reach may leave the rule sure
+            need = [k for k in self.need(r) if k not in r.held]
         return explore_count(r.samples, self.counts, serving, need,
                              lambda n: self.ledger.voucher.covers_counts(n, self.configured))
 

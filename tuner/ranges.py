@@ -67,6 +67,8 @@ class RangeLearning:
     # R4.12: count -> forwards this range explored it on that the host's core ledger served
     # below it (``estimator.out_of_reach``)
     refused: dict[int, int] = field(default_factory=dict)
+    # count -> since when other tasks' load has kept it from being tried (mode 2)
+    held: dict[int, float] = field(default_factory=dict)
 
     @property
     def learned_from(self) -> str | None:

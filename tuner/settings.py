@@ -28,6 +28,10 @@ from vllm_srun.tuner.share import DEFAULT_SHARE
 # of the box, 60% load, one run) it decided every range by 45 s where 12 took 151 s, but
 # kept 1 thread in every range where 2 threads' medians were 9-17% lower: four samples
 # beside the load spread past the margin. So 12 stays. No other value resolved either way.
+# ``held_out_s`` (12 seeds, 16 cores and 2 cores beside a neighbour,
+# ``bench/results/tuner_sweep_held_out.json``): 2.5 s resolved worse beside the 2-core
+# neighbour (it holds a core 2 s of every 4, and 2 threads were dropped for good); 20 s
+# resolved better than never on 16 cores and was even beside the 2-core neighbour.
 @dataclass(frozen=True)
 class Learning:
     min_samples: int = 12  # clean timed shadows per count per range before a count is learned
@@ -40,6 +44,10 @@ class Learning:
     # recent samples per count per range that decisions rest on: an unsure decision takes
     # samples up to it, then the medians decide (``estimator.choose``)
     max_samples: int = 48
+    # mode 2 exploring on served forwards: a count the cores other tasks hold kept from
+    # being tried (``estimator.load_factor`` 2 or more) for this long is out of the range's
+    # reach, with every count above it (``estimator.out_of_reach``)
+    held_out_s: float = 20.0
 
 
 @dataclass(frozen=True)
