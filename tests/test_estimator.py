@@ -142,6 +142,7 @@ def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_dec
     assert out_of_reach({16: 3}, samples, counts, 8, held_out=[8]) == {8, 16}
     assert out_of_reach({}, samples, counts, 8, held_out=[1, 4]) == {4, 8, 16}  # 1 stays
     assert out_of_reach({}, samples, counts, 8, held_out=[1]) == set()
+    assert out_of_reach({1: 13}, samples, counts, 8) == {2, 4, 16}
 
 
 def test_exploring_goes_outward_from_the_served_count():

@@ -189,9 +189,10 @@ def test_a_count_the_core_ledger_kept_out_of_reach_is_reported_as_refused():
                       refused={4: 3})
     rep = build(ReportInput(AdaptiveMode.SERVE, 2, (1, 2, 4), {32: r},
                             RecordState(SCOPE, Voucher(0, 0, False), None, None),
-                            DecisionRule(S.learning.margin, S.learning.min_samples)))
+                            DecisionRule(S.learning.margin, S.learning.min_samples),
+                            unreachable={32: {4: "the core ledger refused it"}}))
     counts = rep["ranges"][0]["counts"]
     assert counts["4"] == {"median_ms": None, "interval_ms": None, "p90_ms": None,
                            "samples": 0, "not_timed": "the core ledger refused it",
-                           "refused": 3}
+                           "refused": 3, "out_of_reach": "the core ledger refused it"}
     assert "refused" not in counts["2"] and "refused" in table(rep)

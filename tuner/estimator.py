@@ -220,16 +220,18 @@ def out_of_reach(refused: Mapping[int, int], samples_by_count: Mapping[int, Sequ
     its samples explored on, serving every count in turn, 1 thread among them (simulated, 64
     cores, 8 workers, a neighbour on 29: most ranges still exploring after 120 s). Also the
     smallest count ``held_out`` (other tasks' load kept it from being tried for
-    ``held_out_s``: ``Learner.explore_served``) but the smallest allowed, and every count
-    above it, the configured one too: beside a neighbour on half of 16 cores for a whole
-    run, the configured 8 was never tried and its range explored on (97% of forwards)."""
+    ``held_out_s``: ``Learner.explore_served``) and every count above it, the configured one
+    too (never the smallest count, by either rule): beside a neighbour on half of 16 cores
+    for a whole run, the configured 8 was never tried and its range explored on (97% of
+    forwards)."""
     refusing = [n for n in counts if refused.get(n, 0) > len(samples_by_count.get(n, ()))]
     out: set[int] = set()
     if refusing:
         out |= {n for n in counts if n >= min(refusing) and n != configured}
-    held = [n for n in held_out if n > min(counts)]  # the fewest threads stay: no fewer run
+    held = [n for n in held_out if n > min(counts)]  # held at 1 thread: all are; none out
     if held:
         out |= {n for n in counts if n >= min(held)}
+    out.discard(min(counts, default=0))  # the fewest threads stay: no fewer run
     return out
 
 

@@ -47,6 +47,9 @@ from vllm_srun.tuner.tally import Tally
 
 log = logging.getLogger(__name__)
 
+# why a range no longer times a count (``Learner.unreachable``; the report shows it)
+REFUSED, HELD = "the core ledger refused it", "other tasks held its cores"
+
 
 class Learner(Relearning):
     def __init__(self, mode: AdaptiveMode, configured: int, counts: Sequence[int],
@@ -76,16 +79,21 @@ class Learner(Relearning):
         """The counts a range times: a sibling's candidate and the configured count, or all;
         less those the host's core ledger keeps out of its reach (``estimator.out_of_reach``)."""
         counts = self.counts if r.candidate is None else (self.configured, r.candidate)
+        out = self.unreachable(r)
+        kept = tuple(n for n in counts if n not in out)
+        # a sibling's pair all out: every count (the smallest is never out of reach)
+        return kept or tuple(n for n in self.counts if n not in out)
+
+    def unreachable(self, r: RangeLearning) -> dict[int, str]:
+        """Count -> why range ``r`` no longer times it (``estimator.out_of_reach``): the core
+        ledger refused it, or other tasks held its cores for ``held_out_s`` on end."""
         if not r.refused and not r.held:
-            return counts
+            return {}
         long = self.settings.learning.held_out_s
         held_out = [n for n, t in r.held.items() if self.now - t >= long]
-        for among in (counts, self.counts):  # a sibling's pair all out: every count
-            out = out_of_reach(r.refused, r.per_token, among, self.configured, held_out)
-            kept = tuple(n for n in among if n not in out)
-            if kept:
-                return kept
-        return self.counts[:1]  # (the smallest count is never out of reach)
+        held = out_of_reach({}, r.per_token, self.counts, self.configured, held_out)
+        refused = out_of_reach(r.refused, r.per_token, self.counts, self.configured)
+        return {**dict.fromkeys(held, HELD), **dict.fromkeys(refused, REFUSED)}
 
     def adopt(self, candidates: dict[int, int]) -> None:
         """R4.12: range -> a count a live sibling of the scope learned there. A range that has

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from vllm_srun.records.host_record import DriftEvent, Scope, Voucher
 from vllm_srun.tuner.adaptive import AdaptiveThreads
 from vllm_srun.tuner.advice import OFF_REASON, learning_state, recommendation
-from vllm_srun.tuner.estimator import estimate, out_of_reach, past_a_slower_count, speedup
+from vllm_srun.tuner.estimator import estimate, past_a_slower_count, speedup
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import summarize
 from vllm_srun.tuner.ranges import RangeLearning, RangeState, report_state, wanted_count
@@ -65,6 +65,8 @@ class ReportInput:
     uncovered: int = 0  # forwards kept at the configured count: shape not vouched for
     learning: dict[str, object] = field(default_factory=dict)  # what timed and checked what
     shadow_error: str | None = None
+    # range -> count -> why it is no longer timed (``Learner.unreachable``)
+    unreachable: dict[int, dict[int, str]] = field(default_factory=dict)
 
 
 def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInput:
@@ -75,6 +77,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                   for lo, r in t.learner.ranges.items()}
         passes = {lo: t.ledger.progress(lo, r.learned) for lo, r in ranges.items()
                   if r.learned is not None}
+        unreachable = {lo: t.learner.unreachable(r) for lo, r in t.learner.ranges.items()}
         window = t.free_cores.window
         paid = t.side.paid
         served_s = paid.served_s
@@ -83,6 +86,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
     return ReportInput(t.mode, t.configured, t.counts, ranges, record,
                        DecisionRule(t.settings.learning.margin, t.settings.learning.min_samples),
                        verified_passes=passes, uncovered=t.tally.uncovered,
+                       unreachable=unreachable,
                        shadow_error=t.side.error, learning={
                            "forwards_served": t.tally.forwards,
                            "shadow_comparisons": t.ledger.comparisons, "audits": t.ledger.audits,
@@ -142,19 +146,19 @@ def build(inp: ReportInput) -> dict:
         per_count = {}
         # counts the learner does not time: past a count slower than the fastest
         skipped = past_a_slower_count(r.per_token or r.samples, inp.counts)
-        # ... or out of the host's cores' reach (R4.12: the core ledger served it lower)
-        refused = out_of_reach(r.refused, r.per_token or r.samples, inp.counts, inp.configured)
+        # ... or out of the host's cores' reach, as the learner has it (R4.12)
+        unreachable = inp.unreachable.get(lo, {})
         for n in inp.counts:
             s, e = summarize(r.samples.get(n, [])), estimate(r.samples.get(n, []))
-            why = "past a slower count" if n in skipped else \
-                "the core ledger refused it" if n in refused else None
+            why = "past a slower count" if n in skipped else unreachable.get(n)
             per_count[str(n)] = {
                 **({"median_ms": round(s.median_ms, 3),
                     "interval_ms": [round(e.low_ms, 3), round(e.high_ms, 3)],
                     "p90_ms": round(s.p90_ms, 3), "samples": s.samples} if s else
                    {"median_ms": None, "interval_ms": None, "p90_ms": None, "samples": 0,
                     **({"not_timed": why} if why else {})}),
-                **({"refused": r.refused[n]} if r.refused.get(n) else {})}
+                **({"refused": r.refused[n]} if r.refused.get(n) else {}),
+                **({"out_of_reach": unreachable[n]} if n in unreachable else {})}
         served = inp.configured if rec.drift is not None or rec.locked_reason else \
             wanted_count(r, inp.configured)
         # as the learner has it: per padded token (a record's report: its stored ms)
