@@ -159,7 +159,12 @@ class TorchBackend:
 
         from vllm_srun.runtime.torch_fast import faster
         from vllm_srun.runtime.torch_model import load_module
-        from vllm_srun.runtime.weights import release_pages, share_module, shared_state_path
+        from vllm_srun.runtime.weights import (
+            align,
+            release_pages,
+            share_module,
+            shared_state_path,
+        )
 
         self._torch = torch
         self.manifest = manifest
@@ -170,6 +175,8 @@ class TorchBackend:
         self.shared = (share_weights and self.device.type == "cpu"
                        and precision is not Precision.INT8
                        and share_module(manifest, precision, self.module))
+        if self.device.type == "cpu" and not self.shared:  # laid out as shared ones are
+            align(self.module)
         if self.device.type == "cpu":  # traced; bfloat16 Linear weights packed (torch_fast)
             self.module = faster(self.module, precision, release=partial(
                 release_pages, path=shared_state_path(manifest, precision))

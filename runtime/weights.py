@@ -21,7 +21,12 @@ rename); every later load, in the worker and in its shadow child, memory-maps it
 Invariant: a shared load gives answers bit for bit the same as a private one (the same
 values, the same kernels; ``tests/test_weights.py`` checks both backends), so a worker whose
 cache cannot be written falls back to a private load (``shared_weights_unavailable`` in the
-log) and its shadows still match its answers.
+log) and its shadows still match its answers. That needs the private weights to lie in
+memory as the shared ones do: on some CPUs float32 products answer otherwise when a weight
+starts elsewhere within a cache line (measured on an AMD EPYC host: transformers maps
+weights straight from model.safetensors, 8-byte aligned, and a small model's answers
+changed in the last bits), and ``torch.save`` starts each tensor on 64 bytes, so a private
+load is first copied to aligned memory (``align``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from vllm_srun.runtime.types import BackendName, Manifest
 log = logging.getLogger(__name__)
 
 ONNX_DATA = "model.data"  # the external data file beside a shared model.onnx
+ALIGNMENT = 64  # bytes: where torch.save starts each tensor, and its CPU allocator
 
 
 def shared_onnx_path(manifest: Manifest, precision: Precision, source: Path) -> Path:
@@ -118,6 +124,37 @@ def share_module(manifest: Manifest, precision: Precision, module) -> bool:
         log.warning("shared_weights_unavailable backend=torch path=%s error=%s", target, exc)
         return False
     return True
+
+
+def align(module, to: int = ALIGNMENT) -> int:
+    """Copy each floating-point parameter and buffer of ``module`` that does not start on a
+    ``to``-byte boundary into memory that does (torch's CPU allocator aligns to 64 bytes), so
+    private weights lie as the shared file's do. A tensor two modules hold stays one tensor.
+    Returns how many tensors were copied."""
+    import torch
+
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for owner in module.modules():
+            held = [(name, t, True) for name, t in owner.named_parameters(recurse=False)]
+            held += [(name, t, False) for name, t in owner.named_buffers(recurse=False)]
+            for name, tensor, parameter in held:
+                if not tensor.is_floating_point() or tensor.device.type != "cpu" \
+                        or tensor.data_ptr() % to == 0:
+                    continue
+                key = tensor.data_ptr()
+                if key not in copies:
+                    copy = tensor.detach().clone(memory_format=torch.contiguous_format)
+                    if copy.data_ptr() % to:
+                        raise RuntimeError(f"torch's allocator gave {copy.data_ptr() % to} "
+                                           f"bytes past a {to}-byte boundary")
+                    copies[key] = (torch.nn.Parameter(copy, requires_grad=False)
+                                   if parameter else copy)
+                if parameter:
+                    owner._parameters[name] = copies[key]
+                else:
+                    owner._buffers[name] = copies[key]
+    return len(copies)
 
 
 def release_pages(tensors, path: Path) -> int:

@@ -1,5 +1,6 @@
 """The suite's own rule (tests/conftest.py): where CI is set, a test marked required_in_ci
-that skips fails the run; other skips stay skips, and every skip prints its reason."""
+that skips fails the run, unless it skips for a feature this CPU lacks (``cpu_lacks``); other
+skips stay skips, and every skip prints its reason."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def test_required_and_run():
 
 def test_optional_skipped():
     pytest.skip("optional here")
+
+@pytest.mark.required_in_ci
+def test_required_but_this_cpu_lacks_the_feature():
+    from tests.conftest import cpu_lacks
+    cpu_lacks("no bfloat16 here")
 '''
 
 
@@ -46,16 +52,19 @@ def run(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
 def test_a_required_test_that_skips_fails_where_ci_is_set(tmp_path):
     r = run(tmp_path, "true")
     assert r.returncode == 1, r.stdout
-    assert "1 failed, 1 passed, 1 skipped, 1 error" in r.stdout, r.stdout  # error: at setup
+    assert "1 failed, 1 passed, 2 skipped, 1 error" in r.stdout, r.stdout  # error: at setup
     assert "required in CI (CI=true) but skipped: the tool is missing" in r.stdout
     assert "required in CI (CI=true) but skipped: marked skip" in r.stdout
     assert "SKIPPED [1] test_cases.py:18: optional here" in r.stdout
+    # a CPU CI may run on without the feature: a skip there too, saying so
+    assert "this CPU lacks it: no bfloat16 here" in r.stdout
+    assert "but skipped: this CPU lacks it" not in r.stdout
 
 
 def test_elsewhere_it_skips_saying_why(tmp_path):
     for ci in (None, "false"):
         r = run(tmp_path, ci)
         assert r.returncode == 0, r.stdout
-        assert "1 passed, 3 skipped" in r.stdout, r.stdout
+        assert "1 passed, 4 skipped" in r.stdout, r.stdout
         for reason in ("the tool is missing", "marked skip", "optional here"):
             assert reason in r.stdout

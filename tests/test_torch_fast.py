@@ -22,6 +22,7 @@ from vllm_srun.runtime.precision import Precision
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.torch_fast import faster, pack, packs, weights
 from vllm_srun.runtime.torch_model import load_module
+from vllm_srun.runtime.weights import align
 
 
 def batches(config, pairs: bool) -> list:
@@ -43,6 +44,7 @@ def same_as_loaded(manifest, precision: Precision = Precision.FLOAT32,
     1 and 2 threads (each on its own lane); returns the served module's class name."""
     served = load_backend(manifest, "torch", precision=precision).module
     loaded = load_module(manifest, precision)
+    align(loaded)  # laid out as the served (shared) weights are: ``weights.align``
     if packs(precision):
         with torch.inference_mode():
             pack(torch, loaded)
@@ -112,6 +114,7 @@ def test_a_long_input_runs_the_module_as_loaded(modernbert_dir):
     manifest = resolve(str(modernbert_dir))
     served = load_backend(manifest, "torch").module
     loaded = load_module(manifest)
+    align(loaded)
     assert type(served).__name__ == "TracedEncoder"
     rng = np.random.default_rng(9)
     batch = pad([[int(t) for t in rng.integers(5, 400, n)] for n in (700, 600)])

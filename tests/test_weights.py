@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from tests.conftest import L3, L6, row
+from tests.conftest import L3, L6, cpu_lacks, row
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import OnnxBackend, TorchBackend, load_backend
 from vllm_srun.runtime.engine import pad
@@ -27,7 +28,7 @@ from vllm_srun.runtime.precision import Precision
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.torch_fast import packs
 from vllm_srun.runtime.torch_fast import weights as torch_weights
-from vllm_srun.runtime.weights import shared_onnx_path, shared_state_path
+from vllm_srun.runtime.weights import ALIGNMENT, align, shared_onnx_path, shared_state_path
 from vllm_srun.tuner.adaptive import output_bits
 from vllm_srun.tuner.shadows import ShadowProcess
 
@@ -78,10 +79,10 @@ def test_a_shadow_process_maps_the_weights_file_its_worker_maps(model, backend_n
         shadows.close()
 
 
-def _same_answers(a, b, counts=(1, 2)) -> None:
+def _same_answers(a, b, counts=(1, 2), batches=BATCHES) -> None:
     context = ThreadContext()
     try:
-        for batch in BATCHES:
+        for batch in batches:
             for n in counts:
                 x = context.run(n, lambda k=n, t=batch: a.forward(t, k)).outputs
                 y = context.run(n, lambda k=n, t=batch: b.forward(t, k)).outputs
@@ -127,6 +128,43 @@ def test_torch_shared_weights_answer_like_private_ones_and_are_file_backed(preci
     _same_answers(shared, private)
 
 
+def test_private_torch_weights_lie_as_shared_ones_do_and_answer_alike(cross_encoder_dir):
+    """transformers maps weights straight from model.safetensors, where a tensor may start
+    anywhere past an 8-byte boundary; ``torch.save`` (the shared file) starts each on 64
+    bytes. On some CPUs float32 products answer otherwise with the weights elsewhere in a
+    cache line (on an AMD EPYC host this small cross-encoder's answers changed in the last
+    bits), so a private load is copied to aligned memory and answers as a shared one does."""
+    manifest = resolve(str(cross_encoder_dir))
+    private = TorchBackend(manifest, share_weights=False)
+    assert not private.shared
+    read = [t for t in torch_weights(private.module) if not t.is_mkldnn]
+    assert read and all(t.data_ptr() % ALIGNMENT == 0 for t in read)
+    shared = load_backend(manifest, "torch")
+    assert shared.shared
+    rng = np.random.default_rng(3)
+    vocab = private.module.source.inner.config.vocab_size
+    batches = [pad([[int(t) for t in rng.integers(5, vocab, n)] for n in lengths],
+                   [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths])
+               for lengths in ((7,), (9, 30, 17), (100,))]
+    _same_answers(shared, private, batches=batches)
+
+
+def test_align_copies_only_what_is_off_the_boundary_and_keeps_tied_tensors_tied():
+    module = torch.nn.Module()
+    base = torch.zeros(64 + 3)
+    module.a = torch.nn.Linear(4, 4)
+    module.b = torch.nn.Linear(4, 4)
+    module.b.weight = module.a.weight  # tied
+    module.register_buffer("odd", base[3:])  # 12 bytes past a boundary
+    module.register_buffer("ids", torch.arange(5)[1:])  # not floating point: left alone
+    kept = module.a.bias
+    assert align(module) == 1 + (module.a.weight.data_ptr() % ALIGNMENT != 0)
+    assert module.odd.data_ptr() % ALIGNMENT == 0 and torch.equal(module.odd, base[3:])
+    assert module.a.bias is kept and module.b.weight is module.a.weight
+    assert module.ids.data_ptr() % ALIGNMENT != 0
+    assert align(module) == 0
+
+
 def test_a_cache_that_cannot_hold_the_shared_copy_loads_private_weights(tmp_path, monkeypatch,
                                                                        caplog):
     """A worker whose cache folder cannot be written still serves (its own ONNX file, its
@@ -153,7 +191,7 @@ def test_packed_bfloat16_weights_leave_the_mapped_originals_unresident():
     loads the backend and serves, the shared file's mapping holds less than the file less
     half the packed weights; a tensor outside any mapping of the file is left alone."""
     if not packs(Precision.BFLOAT16):
-        pytest.skip("oneDNN does not run bfloat16 on this CPU: nothing is packed")
+        cpu_lacks("oneDNN does not run bfloat16 here: nothing is packed")
     code = f"""
 import json, torch
 from vllm_srun.runtime.artifact import resolve
