@@ -6,8 +6,10 @@ so no test touches the real home directory.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -24,6 +26,8 @@ for var, sub in (("HOME", "home"), ("XDG_CACHE_HOME", "xdg-cache"),
                  ("VLLM_SRUN_DATA_DIR", "data"), ("HF_HOME", "hf")):
     os.environ[var] = str(_ROOT / sub)
     (_ROOT / sub).mkdir(parents=True, exist_ok=True)
+_OWNER = os.getpid()  # a child forked from this process must not remove it on its way out
+atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(_ROOT, ignore_errors=True))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.pop("VLLM_SRUN_CPU_THREADS", None)
