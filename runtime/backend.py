@@ -175,8 +175,8 @@ class TorchBackend:
         self.shared = (share_weights and self.device.type == "cpu"
                        and precision is not Precision.INT8
                        and share_module(manifest, precision, self.module))
-        if self.device.type == "cpu" and not self.shared:  # laid out as shared ones are
-            align(self.module)
+        if self.device.type == "cpu" and not self.shared and precision is not Precision.INT8:
+            align(self.module)  # laid out as shared ones are (int8 is never shared)
         if self.device.type == "cpu":  # traced; bfloat16 Linear weights packed (torch_fast)
             self.module = faster(self.module, precision, release=partial(
                 release_pages, path=shared_state_path(manifest, precision))

@@ -26,7 +26,10 @@ memory as the shared ones do: on some CPUs float32 products answer otherwise whe
 starts elsewhere within a cache line (measured on an AMD EPYC host: transformers maps
 weights straight from model.safetensors, 8-byte aligned, and a small model's answers
 changed in the last bits), and ``torch.save`` starts each tensor on 64 bytes, so a private
-load is first copied to aligned memory (``align``).
+float32 or bfloat16 load is first copied to aligned memory (``align``). int8, never shared,
+is not: its processes map model.safetensors alike (a mapping starts on a page, so each
+tensor lies at the same offset in every process), and a copy would make resident the
+float embeddings that the mapping reads only where a token touches them.
 """
 
 from __future__ import annotations

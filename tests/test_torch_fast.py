@@ -44,7 +44,8 @@ def same_as_loaded(manifest, precision: Precision = Precision.FLOAT32,
     1 and 2 threads (each on its own lane); returns the served module's class name."""
     served = load_backend(manifest, "torch", precision=precision).module
     loaded = load_module(manifest, precision)
-    align(loaded)  # laid out as the served (shared) weights are: ``weights.align``
+    if precision is not Precision.INT8:  # laid out as the served weights are (``align``)
+        align(loaded)
     if packs(precision):
         with torch.inference_mode():
             pack(torch, loaded)
