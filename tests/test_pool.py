@@ -582,3 +582,39 @@ def test_a_reload_asking_a_pool_of_workers_for_forwards_at_once_changes_nothing(
         assert ok_fraction(fire(server.url, texts(5, "still"), concurrency=2)) == 1.0
     finally:
         server.close()
+
+
+def test_a_worker_keeps_an_idle_connection_open_past_the_front_ends_expiry(tmp_path):
+    """The front end reuses an idle connection to a worker for ``IDLE_EXPIRY_S``; a worker
+    that closed it at the same moment made the front end send on a closing connection ("Server
+    disconnected without sending a response", a 503 to the caller under a 10x soak). Over the
+    worker's own socket: a request, then the front end's whole expiry idle and a second of
+    margin, then a second request on the same connection is answered."""
+    from vllm_srun.server.pool.replicas.process import IDLE_EXPIRY_S
+
+    server = PoolServer(tmp_path, {"primary": cpu_deployment(1)})
+    try:
+        server.wait_ready()
+        server.wait_all_ready(n=1)
+        pid = server.replicas()["primary-0"]["pid"]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        path = cmdline[cmdline.index(b"--socket") + 1].decode()
+        request = b"GET /health HTTP/1.1\r\nHost: worker\r\n\r\n"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(path)
+            for _ in range(2):
+                s.sendall(request)
+                got = b""
+                while b"\r\n\r\n" not in got and (chunk := s.recv(65536)):
+                    got += chunk
+                head, _, body = got.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200"), got  # b"": the worker closed it
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:")))
+                while len(body) < length and (chunk := s.recv(65536)):
+                    body += chunk
+                assert len(body) == length
+                time.sleep(IDLE_EXPIRY_S + 1.0)
+    finally:
+        server.close()

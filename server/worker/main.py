@@ -138,6 +138,13 @@ def _owner_only_socket(path: str) -> socket.socket:
     return sock
 
 
+# An idle connection from the front end stays open this long, well past the front end's own
+# expiry (``pool.replicas.process.IDLE_EXPIRY_S``, 5 s). With both at uvicorn's and httpx's
+# 5 s, the front end sent on connections the worker was closing under a 10x-capacity soak
+# ("Server disconnected without sending a response": a 503 to the caller).
+KEEP_ALIVE_S = 60
+
+
 def main(argv: list[str] | None = None, wrap_backend=None) -> int:
     """Run one worker. ``wrap_backend`` (tests only) wraps the loaded backend."""
     parser = argparse.ArgumentParser(prog="vllm-srun-worker")
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None, wrap_backend=None) -> int:
     _load_in_background(worker, loaded, metrics)
     config = uvicorn.Config(create_worker_app(worker, loaded, metrics), log_level="warning",
                             access_log=False, log_config=None, loop="uvloop", http="httptools",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     return 0
 

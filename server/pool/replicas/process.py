@@ -30,10 +30,17 @@ RESTART_STABLE_S = 60.0  # a worker that ran this long restarts from the first b
 WORKER_COMMAND: tuple[str, ...] = (sys.executable, "-P", "-m", "vllm_srun.server.worker.main")
 
 
+# How long the front end keeps an idle connection to a worker for reuse (httpx's default).
+# The worker keeps one open far longer (``server/worker/main.py``'s ``KEEP_ALIVE_S``), so the
+# front end never sends on a connection the worker is closing.
+IDLE_EXPIRY_S = 5.0
+
+
 def _client(socket_path: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path),
                              base_url="http://worker", limits=httpx.Limits(
-                                 max_connections=64, max_keepalive_connections=64))
+                                 max_connections=64, max_keepalive_connections=64,
+                                 keepalive_expiry=IDLE_EXPIRY_S))
 
 
 class ProcessReplica(Replica):
