@@ -5,7 +5,8 @@ with the targets of the adaptive-threads work judged on intervals at the end (SP
                                   [--learn-seconds 60] [--max-num-batched-tokens 512]
                                   [--poisson 0.3,0.6,0.9] [--backend onnxruntime|torch]
                                   [--dtype float32|bfloat16|int8]
-                                  [--only levels oracle neighbour phases steady regret]
+                                  [--only levels oracle neighbour phases steady regret
+                                          concurrent]
                                   [--steady-seconds 60] [--steady-settle-seconds 120]
                                   [--window-seconds 2]
                                   [--steady-rounds 6] [--neighbour-rounds 30]
@@ -63,6 +64,11 @@ Sections (``--only``):
   windows stand for the settling time too; the windows' req/s are printed per round). Its
   null check is ``fixed 2 again`` over ``fixed 2`` (a second fixed 2 in place of fixed 1
   again): two 2-thread servers differ far more window to window than two 1-thread ones.
+- ``concurrent``: two forwards at once (``--concurrent-forwards 2``): fixed 2 threads, a
+  fixed 1 thread with two forwards at once ("fixed 1 x2"), each with its twin, and mode 2
+  with two forwards at once ("mode 2 x2", learning from bursts first), at 1 and 16
+  closed-loop connections in ``--rounds`` paired rounds; mode 2 x2 over the better fixed
+  configuration at each level, beside that configuration's twin.
 - ``regret`` (new): per round (``--regret-rounds``), one open-loop trace at ``--regret-share``
   of capacity for ``--regret-seconds`` (the same bodies file and schedule for every server)
   sent to fixed 1, fixed 2, fixed 1 again and a fresh mode 2 (no learning phase); each
@@ -112,7 +118,7 @@ from bench.adaptive_wrk import LEARNING, MIX, Server, learn, lua, threads_summar
 from bench.load_trace import write_bodies
 from bench.stats import percentile
 
-SECTIONS = ("levels", "oracle", "neighbour", "phases", "steady", "regret")
+SECTIONS = ("levels", "oracle", "neighbour", "phases", "steady", "regret", "concurrent")
 POISSON = (0.3, 0.6, 0.9)
 # name, extra flags, learning mode
 SERVERS = (("fixed 1", [], None), ("fixed 2", ["--threads", "2"], None),
@@ -125,6 +131,13 @@ AGAIN = ("fixed 1 again", [], None)
 # fixed 2 over ten rounds' windows spanned 91-177 where fixed 1 again / fixed 1 stayed within
 # 0.94-1.12, so the fixed 1 null said nothing of the steady ratio's noise)
 AGAIN_2 = ("fixed 2 again", ["--threads", "2"], None)
+# ``concurrent``: two forwards at once, each at 1 thread, fixed and with its twin; and mode 2
+# with two forwards at once (a forward alone takes its learned count, one beside another
+# the share the budget leaves)
+TWO_AT_ONCE = ["--threads", "1", "--concurrent-forwards", "2"]
+CONCURRENT = (("fixed 2", ["--threads", "2"], None), AGAIN_2,
+              ("fixed 1 x2", TWO_AT_ONCE, None), ("fixed 1 x2 again", TWO_AT_ONCE, None),
+              ("mode 2 x2", TWO_AT_ONCE, "2"))
 
 
 @contextmanager
@@ -278,6 +291,7 @@ class Bench:
                              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                     "capacity_rps": None, "levels": {}, "levels_order": [], "oracle": {},
                     "neighbour": {}, "phases": {}, "phase_oracle": {}, "threads": {},
+                    "concurrent": {},
                     "rounds": {}, "steady_rounds": [], "regret_rounds": [], "failures": {}}
 
     def script(self, name: str, **kw) -> str:
@@ -452,6 +466,16 @@ class Bench:
             finally:
                 self.down(servers, " + neighbour")
 
+    def concurrent_section(self) -> None:
+        print("== two forwards at once: fixed configurations and mode 2", flush=True)
+        servers = self.up(CONCURRENT)
+        try:
+            for c in (1, 16):
+                level = f"closed {c} x2"
+                self.interleaved(servers, level, self.out["concurrent"], (self.mixed, c))
+        finally:
+            self.down(servers)
+
     def phases_section(self) -> None:
         print("== neighbour phases: fixed counts with the neighbour off, and on throughout",
               flush=True)
@@ -533,6 +557,12 @@ def print_tables(out: dict) -> None:
                   "p99 ms"],
                  [[s] + [r[f"closed {c} + neighbour"][k] for c in (16, 1)
                          for k in ("rps", "p50_ms", "p99_ms")] for s, r in nb.items()]))
+        print()
+    if out["concurrent"]:
+        print("### Two forwards at once (medians over the rounds)\n")
+        print(md(["server", "level", "req/s", "p50 ms", "p99 ms", "mean ms", "non-2xx"],
+                 [[sv, lvl, r["rps"], r["p50_ms"], r["p99_ms"], r["mean_ms"], r["non_2xx"]]
+                  for sv, rows in out["concurrent"].items() for lvl, r in rows.items()]))
         print()
     if {"off", "on"} <= set(phases):
         phases_table(out)
@@ -642,6 +672,8 @@ def main(argv=None) -> None:
         bench.phases_section()
     if {"steady", "regret"} & only:
         bench.learning_sections()
+    if "concurrent" in only:
+        bench.concurrent_section()
     print()
     out["pooled_p99_ms"] = {n: {lvl: percentile([v for r in rs for v in r], 99)
                                 for lvl, rs in levels.items()} for n, levels in bench.raw.items()}

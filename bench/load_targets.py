@@ -56,6 +56,24 @@ def row(target: str, goal: str, interval: Interval, null: Interval) -> dict:
                      "rounds": null.rounds}, "text": interval.text(), "null_text": null.text()}
 
 
+def concurrent_targets(out: dict) -> list[dict]:
+    """Mode 2 with two forwards at once over the better fixed configuration at each level
+    (fixed 2 threads, or 1 thread with two forwards at once), beside that one's twin."""
+    rows = []
+    for c in (1, 16):
+        level = f"closed {c} x2"
+        med = {s: statistics.median(r["rps"] for r in rs) for s in ("fixed 2", "fixed 1 x2")
+               if (rs := _rounds(out, s, level))}
+        if len(med) < 2 or not _rounds(out, "mode 2 x2", level):
+            continue
+        best = max(med, key=med.__getitem__)
+        rows.append(row(f"(x) mode 2 x2 req/s / best fixed ({best}), {level}; null check "
+                        f"{best} again / {best}", ">= 0.97",
+                        median_interval(paired(out, "mode 2 x2", best, "rps", level)),
+                        median_interval(paired(out, f"{best} again", best, "rps", level))))
+    return rows
+
+
 def rps_target(out: dict, label: str, level: str, goal: str) -> dict:
     """Mode 2's req/s over the best fixed count's, beside the null check of that count's twin
     where the run has one (else fixed 1 again / fixed 1)."""
@@ -167,7 +185,7 @@ def targets(out: dict, raw: dict) -> list[dict]:
     for c in (16, 1):
         if _rounds(out, "mode 2", f"closed {c} + neighbour"):
             rows.append(rps_target(out, "(d) neighbour", f"closed {c} + neighbour", "> 1.00"))
-    return rows + steady_targets(out) + regret_target(out)
+    return rows + steady_targets(out) + regret_target(out) + concurrent_targets(out)
 
 
 def table(rows: list[dict]) -> list[list]:

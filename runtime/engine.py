@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 class ThreadsPolicy(Protocol):
     """Which count serves a forward (the tuner's seam). ``served_threads`` is asked right
     before each served forward starts and ``observe`` told right after it ends (``None``:
-    it failed), so a policy knows when a served forward is running."""
+    it failed), so a policy knows when a served forward is running. An engine runs several
+    forwards at once (``concurrent_forwards``) only with a policy whose ``several_at_once``
+    is true: it is then asked and told from each forward's thread."""
 
     def served_threads(self, batch: TokenBatch) -> int: ...
 
@@ -62,6 +64,7 @@ class FixedThreads:
     """Every forward at the configured count; no learning."""
 
     num_threads: int
+    several_at_once: ClassVar[bool] = True
 
     def served_threads(self, batch: TokenBatch) -> int:
         return self.num_threads
@@ -146,9 +149,7 @@ class Engine:
         self.backend = backend
         self.args = args
         self.threads = threads or FixedThreads(args.num_threads)
-        if args.concurrent_forwards > 1 and not isinstance(self.threads, FixedThreads):
-            raise ValueError("several forwards at once need fixed thread counts: the "
-                             "threads policy hears one served forward at a time")
+        self._check_policy()
         self.context = context or thread_context()
         # onnxruntime's count is the session's, not the OS thread's: any thread may run it
         self._inline = not getattr(backend, "thread_bound", True)
@@ -165,8 +166,16 @@ class Engine:
         self.forwards = 0
         self.non_finite = 0  # requests failed for a NaN or infinity in an answer
 
+    def _check_policy(self) -> None:
+        if self.args.concurrent_forwards > 1 and not getattr(self.threads, "several_at_once",
+                                                              False):
+            raise ValueError(f"several forwards at once need a threads policy that hears "
+                             f"them ({type(self.threads).__name__} hears one served forward "
+                             f"at a time)")
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        self._check_policy()  # the policy may have been set since (a worker's tuner)
         with self._cond:
             if self._running:
                 return

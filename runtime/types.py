@@ -103,8 +103,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     timeout_ms: int = 30_000
     cache_entries: int = 4096
-    # forwards a worker runs at once, each at ``num_threads`` (adaptive threads off only:
-    # the tuner times one served forward at a time)
+    # forwards a worker runs at once, each at ``num_threads`` (with adaptive threads, a
+    # forward takes a count above it only where it fits beside the others running)
     concurrent_forwards: int = 1
 
 

@@ -320,10 +320,11 @@ FAST = _fast_settings()
 
 
 def start(backend, record, mode, configured, counts, settings=FAST, reference=True,
-          scope=None):
+          scope=None, at_once=1):
     """A runner of L6 on ``backend`` with the adaptive tuner wired as a deployment wires it
-    (shadows on SCHED_IDLE lanes over the backend's twin); ``runner.served`` collects the
-    served forwards. The record scope is ``test-host``'s unless ``scope`` names another."""
+    (shadows on SCHED_IDLE lanes over the backend's twin), ``at_once`` served forwards at
+    once sharing ``max(counts)`` cores; ``runner.served`` collects the served forwards. The
+    record scope is ``test-host``'s unless ``scope`` names another."""
     from vllm_srun.records.host_record import Scope
     from vllm_srun.runtime.artifact import resolve
     from vllm_srun.runtime.runner import Runner
@@ -335,7 +336,8 @@ def start(backend, record, mode, configured, counts, settings=FAST, reference=Tr
 
     manifest = resolve(L6)
     records = []
-    runner = Runner(manifest, backend, EngineArgs(num_threads=configured, cache_entries=0),
+    runner = Runner(manifest, backend, EngineArgs(num_threads=configured, cache_entries=0,
+                                                  concurrent_forwards=at_once),
                     on_forward=records.append)
     scope = scope or Scope("test-host", manifest.revision, backend.name.value)
     shadow_forward, close_shadows = idle_shadows(backend)

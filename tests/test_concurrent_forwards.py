@@ -11,18 +11,23 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests.conftest import L6, Server, row, run_cli
+from tests.conftest import L6, Server, SlowerAt, poll, row, run_cli, serve_paced, start
+from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.budget import cpu_budget
-from vllm_srun.runtime.engine import Engine
+from vllm_srun.runtime.engine import Engine, pad
 from vllm_srun.runtime.errors import ConfigError
 from vllm_srun.runtime.runner import Runner
+from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.server.pool.config import EngineConfig, ReplicaConfig, validate
 from vllm_srun.server.pool.flags import single
 from vllm_srun.server.pool.replica_factory import PoolOptions, check_concurrent_forwards
-from vllm_srun.tuner.modes import ADAPTIVE_ENV
+from vllm_srun.tuner.adaptive import output_bits
+from vllm_srun.tuner.modes import ADAPTIVE_ENV, AdaptiveMode
+from vllm_srun.tuner.report import build, from_tuner
+from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
 
 LONG = row(256)
 
@@ -80,8 +85,8 @@ def test_a_short_request_is_answered_beside_a_long_forward(backend_name, at_once
         runner.stop()
 
 
-def test_an_engine_with_a_learning_policy_runs_one_forward_at_a_time():
-    class Learning:  # any policy other than fixed counts hears one forward at a time
+def test_an_engine_runs_several_forwards_at_once_only_with_a_policy_that_hears_them():
+    class OneAtATime:  # a policy that does not say it hears several forwards at once
         def served_threads(self, batch):
             return 1
 
@@ -92,8 +97,85 @@ def test_an_engine_with_a_learning_policy_runs_one_forward_at_a_time():
             return None
 
     backend = load_backend(resolve(L6), "onnxruntime")
-    with pytest.raises(ValueError, match="fixed thread counts"):
-        Engine(backend, EngineArgs(num_threads=1, concurrent_forwards=2), threads=Learning())
+    with pytest.raises(ValueError, match="OneAtATime hears one served forward at a time"):
+        Engine(backend, EngineArgs(num_threads=1, concurrent_forwards=2), threads=OneAtATime())
+    engine = Engine(backend, EngineArgs(num_threads=1, concurrent_forwards=2))
+    engine.threads = OneAtATime()  # set after construction, as a worker sets its tuner
+    with pytest.raises(ValueError, match="hears one served forward at a time"):
+        engine.start()
+
+
+class HeldAt:
+    """A backend with its one-row forwards of ``length`` tokens held from their start until
+    ``release`` is set (shadows run on its twin, never held)."""
+
+    def __init__(self, backend, length: int) -> None:
+        self.inner, self.length = backend, length
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, batch, num_threads):
+        if batch.input_ids.shape == (1, self.length):
+            self.started.set()
+            assert self.release.wait(60)
+        return self.inner.forward(batch, num_threads)
+
+
+def test_mode2_serves_a_forward_alone_its_learned_count_and_one_beside_another_its_share(
+        tmp_path):
+    """Adaptive threads with two forwards at once on a budget of 2 (R4.8, R4.12 inside one
+    worker): a forward alone takes its range's learned count (2); one that starts while a
+    2-thread forward runs takes the configured count, the share the budget leaves, and is
+    no refusal; a forward another ran beside is no sample. Every answer is bit for bit the
+    configured count's. Count 1 is made 5x slower in reported time, so 2 is learned."""
+    backend = load_backend(resolve(L6), "onnxruntime")
+    record = HostRecord(tmp_path / "r.sqlite")
+    scope = Scope("test-host", resolve(L6).revision, "onnxruntime")
+    plan = plan_sweep(ShapeBounds(max_rows=1, max_len=128, max_padded=128))
+    res = sweep(lambda b, n: backend.forward(b, n), 1, (1, 2), plan.shapes)
+    assert res.mismatches == 0
+    record.add_voucher(scope, "verify", res.comparisons, res.mismatches, plan.coverage((1, 2)))
+    context = ThreadContext()
+    rows = {"held": row(117), "beside": row(100, 999), "fresh": row(10), "alone": row(10, 1)}
+    reference = {k: context.run(1, lambda r=r: backend.forward(pad([r]), 1)).outputs
+                 for k, r in rows.items()}
+    context.shutdown()
+    held = HeldAt(SlowerAt(backend, 1, 5.0), length=117)
+    runner, tuner = start(held, record, AdaptiveMode.SERVE, 1, (1, 2), at_once=2)
+    try:
+        for i in range(60):  # one client: every forward alone
+            serve_paced(runner, tuner, row(100, i))
+            if runner.served[-1].num_threads == 2 and i > 20:
+                break
+        assert runner.served[-1].num_threads == 2, "range 64-127 never served its learned 2"
+        timed_before = tuner.tally.served_samples
+        first = runner.engine.submit([rows["held"]])
+        assert held.started.wait(30)
+        got = {k: runner.engine.submit([rows[k]]).result(timeout=60) for k in ("beside",
+                                                                                "fresh")}
+        assert not first.done()
+        held.release.set()
+        got["held"] = first.result(timeout=60)
+        poll(lambda: tuner.flight.busy == 0, 10)
+        assert tuner.tally.served_samples == timed_before  # beside another: no sample
+        got["alone"] = serve_paced(runner, tuner, rows["alone"])
+        report = build(from_tuner(tuner))
+    finally:
+        held.release.set()
+        runner.stop()
+    by_shape = {(r.rows, r.padded_tokens): r.num_threads for r in runner.served[-4:]}
+    assert by_shape[(1, 117)] == 2  # alone at its start: the learned count
+    assert by_shape[(1, 100)] == 1  # beside a 2-thread forward on 2 cores: the configured
+    assert tuner.tally.beside >= 1 and tuner.tally.not_solo >= 3
+    assert not tuner.learner.ranges[64].refused  # the worker's own forwards refuse nothing
+    assert tuner.tally.served_samples == timed_before + 1  # the fresh range's forward alone
+    for k, out in got.items():
+        assert np.array_equal(output_bits(out), output_bits(reference[k])), k
+    learning = report["learning"]
+    assert learning["forwards_served_lower_beside_other_forwards"] == tuner.tally.beside
+    assert learning["served_forwards_not_timed_beside_another"] == tuner.tally.not_solo
 
 
 def _refusal(options: PoolOptions, **deployment) -> str:
@@ -111,7 +193,8 @@ def test_where_several_forwards_cannot_run_the_deployment_is_refused_naming_why(
     options = PoolOptions(budget=2)
     check_concurrent_forwards(options, single(L6, engine=EngineConfig(concurrent_forwards=2)))
     assert "more than the CPU budget of 2" in _refusal(options, threads=2)
-    assert "adaptive threads off" in _refusal(PoolOptions(budget=2, mode=1))
+    check_concurrent_forwards(PoolOptions(budget=2, mode=2),  # adaptive threads: allowed
+                              single(L6, engine=EngineConfig(concurrent_forwards=2)))
     assert "one-worker deployment" in _refusal(
         options, replicas=[ReplicaConfig(device="cpu"), ReplicaConfig(device="cpu")])
     on_gpu = validate({"global": {"router": {"enabled": False}, "model_catalog": {
@@ -125,20 +208,27 @@ def test_where_several_forwards_cannot_run_the_deployment_is_refused_naming_why(
         EngineConfig(concurrent_forwards=17)
 
 
-def test_serve_refuses_several_forwards_with_adaptive_threads_before_loading():
-    run = run_cli("serve", L6, "--concurrent-forwards", "2", "--threads", "1",
+def test_serve_refuses_bad_several_forwards_before_loading():
+    """With adaptive threads too (they run with several forwards at once): N forwards at the
+    configured count past the budget are refused, naming the key."""
+    run = run_cli("serve", L6, "--concurrent-forwards", "16", "--threads", "16",
                   env={ADAPTIVE_ENV: "2"})
     assert run.returncode != 0
-    assert "several forwards at once run with adaptive threads off" in run.stderr
+    assert "engine.concurrent_forwards (--concurrent-forwards) 16" in run.stderr
+    assert "more than the CPU budget" in run.stderr
     run = run_cli("serve", L6, "--concurrent-forwards", "0")
     assert run.returncode != 0 and "--concurrent-forwards must be a positive integer" in run.stderr
 
 
-def test_a_server_with_two_forwards_at_once_answers_over_http(l6_server):
-    """Answers as a server running one forward at a time gives them (within 1e-5)."""
+@pytest.mark.parametrize("mode", ["0", "2"])
+def test_a_server_with_two_forwards_at_once_answers_over_http(l6_server, mode, tmp_path):
+    """Answers as a server running one forward at a time gives them (within 1e-5), with
+    adaptive threads off and in mode 2 (whose report counts the forwards served beside
+    another)."""
     if cpu_budget() < 2:
         pytest.skip("a CPU budget of 1 refuses two 1-thread forwards at once (by design)")
-    server = Server(L6, "--threads", "1", "--concurrent-forwards", "2").wait_ready()
+    server = Server(L6, "--threads", "1", "--concurrent-forwards", "2", "--record",
+                    str(tmp_path / "r.sqlite"), env={ADAPTIVE_ENV: mode}).wait_ready()
     try:
         (entry,) = server.client.get("/v1/models").json()["data"]
         assert (entry["num_threads"], entry["concurrent_forwards"]) == (1, 2)
@@ -153,5 +243,11 @@ def test_a_server_with_two_forwards_at_once_answers_over_http(l6_server):
             got = list(pool.map(lambda t: embed(server.client, t), texts))
         for text, vector in zip(texts, got, strict=True):
             assert np.abs(vector - embed(l6_server.client, text)).max() < 1e-5
+        if mode == "2":
+            (report,) = server.client.get("/v1/threads").json()["reports"]
+            learning = report["learning"]
+            # eight clients on two forwards at once: some forward ran beside another
+            assert learning["served_forwards_not_timed_beside_another"] >= 1, learning
+            assert "forwards_served_lower_beside_other_forwards" in learning
     finally:
         server.close()

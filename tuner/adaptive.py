@@ -69,6 +69,8 @@ class AdaptiveThreads(ShadowSteps):
     """The adaptive ThreadsPolicy of one worker (see the module docstring). ``forward`` runs
     on the served path (golden check, warm-up); ``shadow_forward`` on the idle lanes."""
 
+    several_at_once = True  # each forward is asked and told under ``lock`` (``InFlight``)
+
     def __init__(self, mode: AdaptiveMode, configured: int, counts: Sequence[int],
                  scope: Scope, record: HostRecord | None, forward: Forward,
                  settings: TunerSettings | None = None,
@@ -79,7 +81,8 @@ class AdaptiveThreads(ShadowSteps):
                  pause_shadows: Callable[[bool], bool] | None = None,
                  free_cpu_s: Callable[[], tuple[float, float] | None] | None = None,
                  paid_forward: Forward | None = None,
-                 free_cpu_resolution_s: Callable[[], float] | None = None) -> None:
+                 free_cpu_resolution_s: Callable[[], float] | None = None,
+                 cores: int | None = None) -> None:
         self.mode, self.configured, self.counts = mode, configured, tuple(counts)
         self.clock = clock
         now = self.now  # the parts read the tuner's clock, whatever it is set to later
@@ -93,7 +96,8 @@ class AdaptiveThreads(ShadowSteps):
         self.tally = Tally()  # what timed and checked what, for the report
         self.learner = Learner(mode, configured, self.counts, s, self.ledger, self.sync,
                                self.free_cores, self.tally, worker or f"pid {os.getpid()}")
-        self.flight = InFlight()  # what runs now
+        # what runs now; ``cores``: the budget its served forwards share (several at once)
+        self.flight = InFlight(cores=cores or max(self.counts))
         self.gate = ShadowGate(s, configured, max(self.counts), now)
         shadow_forward = shadow_forward or forward
         # a shadow the learning share pays for: the shadow side at normal priority
@@ -212,9 +216,29 @@ class AdaptiveThreads(ShadowSteps):
             self.tally.served(verdict, contention, n != wanted)
             if not verdict.allowed:
                 n = self.configured
+            fitted = self._beside_others(lo, batch, n)
+            self.tally.beside += fitted != n
             self.flight.timed[id(batch)] = self._freeze_for(
-                n, sampling=r is None or exploring, contention=contention)
+                fitted, sampling=r is None or exploring, contention=contention)
+            return fitted
+
+    def _beside_others(self, lo: int, batch: TokenBatch, n: int) -> int:
+        """Several served forwards at once (``concurrent_forwards``): a count above the
+        configured one serves only where it fits beside the worker's other forwards running
+        now (``InFlight.room``), else the largest count that fits and that the ledger admits
+        for the shape (as a contention fallback: the voucher, no window), else the configured
+        count (the configuration keeps that many forwards at it within the budget). A forward
+        alone always fits: at one client a forward takes the learned count, at many each
+        takes its share. Served so, the wanted count is no refusal (``Learner.served``): the
+        worker's own load comes and goes; the host's core ledger refuses what other workers
+        hold."""
+        room = self.flight.room()
+        if n <= max(room, self.configured):
             return n
+        rows, length = batch.rows, int(batch.input_ids.shape[1])
+        return max((c for c in self.counts if self.configured < c <= room and
+                    self.ledger.may_serve(lo, c, rows, length, explore=True).allowed),
+                   default=self.configured)
 
     def _under_load(self, r: RangeLearning) -> int:
         """Mode 2, a range serving its learned count: the count of those the voucher covers
@@ -264,7 +288,7 @@ class AdaptiveThreads(ShadowSteps):
         frozen = freezer.served_started(want)
         self.tally.frozen_beside += frozen and sharing
         return Timed(frozen, frozen or not flight.shadowing, flight.shadow_epoch, contention,
-                     sampling, n)
+                     sampling, n, flight.busy, flight.epoch)
 
     def observe(self, batch: TokenBatch, result: ForwardResult | None) -> None:
         """A served forward ended (``None``: it failed)."""
@@ -283,9 +307,14 @@ class AdaptiveThreads(ShadowSteps):
             if result is None or not self.ledger.learning:
                 return
             self.side.verifier.note(batch, result)
+            # beside another served forward of this worker its time is no sample, nor one the
+            # change detector watches: each slowed the other (several forwards at once)
+            solo = self.flight.solo(timed)
+            self.tally.not_solo += not solo
             # a sample where shadows were frozen, or none ran beside it
-            if learner.served(batch, result, timed.contention,
-                              timed.sampling and self.flight.alone(timed), now, timed.chosen):
+            if learner.served(batch, result, timed.contention or (None if solo else "beside"),
+                              timed.sampling and solo and self.flight.alone(timed), now,
+                              timed.chosen):
                 self.gate.waiting_gap = False
                 self.lock.notify_all()
 

@@ -4,7 +4,10 @@ bookkeeping sees them (always under the tuner's lock, never held across a forwar
 A shadow's time is a sample only if no served forward ran at any moment of it, and a served
 forward's time only if no shadow ran beside it unfrozen: each side counts its starts and ends
 (``epoch``, ``shadow_epoch``), so an unchanged epoch across a forward says nothing on the
-other side started or ended meanwhile (``policy.clean_window``, ``Timed.alone``).
+other side started or ended meanwhile (``policy.clean_window``, ``Timed.alone``). Where a
+worker runs several served forwards at once (``concurrent_forwards``), their counts together
+stay within ``cores`` where they can (``room``), and a served forward's time is a sample only
+if no other served forward ran beside it (``solo``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ class Timed:
     contention: str | None  # "fallback": served below the learned count (free cores)
     sampling: bool  # its time may be a sample (its range explores, or is new)
     chosen: int = 0  # the count the tuner chose for it (the core ledger may serve less)
+    busy: int = 0  # served forwards running then, itself included (``InFlight.busy``)
+    epoch: int = -1  # ``InFlight.epoch`` then, its own start included
 
 
 NOT_TIMED = Timed(False, False, -1, None, False)
@@ -46,6 +51,7 @@ class ShadowStart:
 
 @dataclass
 class InFlight:
+    cores: int = 1  # the CPU budget the worker's served forwards share
     busy: int = 0  # served forwards running now
     epoch: int = 0  # served forwards started plus ended
     shadowing: int = 0  # shadow forwards running now
@@ -69,6 +75,16 @@ class InFlight:
         self.busy = max(0, self.busy - 1)
         self.epoch += 1
         return self.timed.pop(id(batch), NOT_TIMED)
+
+    def room(self) -> int:
+        """The threads a served forward about to start may take beside the served forwards
+        running now (several at once: ``concurrent_forwards``)."""
+        return self.cores - sum(t.chosen for t in self.timed.values())
+
+    def solo(self, timed: Timed) -> bool:
+        """No other served forward ran at any moment of one that just ended: none ran at its
+        start, and none started or ended since (its own end is the one step)."""
+        return timed.busy == 1 and self.epoch == timed.epoch + 1
 
     def alone(self, timed: Timed) -> bool:
         """No shadow ran beside a served forward unfrozen: it froze the shadow side, or none

@@ -101,6 +101,11 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "served_forwards_not_timed_cores_held": t.tally.samples_cores_held,
                            "forwards_served_to_time_a_count": t.tally.explored,
                            "forwards_served_below_learned_under_contention": t.tally.contended,
+                           # several forwards at once: served below the count wanted, the
+                           # others held the cores; and forwards another ran beside (no
+                           # samples)
+                           "forwards_served_lower_beside_other_forwards": t.tally.beside,
+                           "served_forwards_not_timed_beside_another": t.tally.not_solo,
                            # the cores other tasks left this worker over the last window
                            # read (None: not read)
                            "free_cores_now": round(window[0], 2) if window else None,

@@ -23,6 +23,10 @@ class Tally:
     # held cores they needed (``estimator.load_factor``)
     samples_cores_held: int = 0  # served samples not kept: half their time or more was
     # other tasks' (``estimator.served_sample_ms``)
+    beside: int = 0  # forwards served below the count wanted: the worker's other forwards
+    # running at once held the cores (``AdaptiveThreads._beside_others``)
+    not_solo: int = 0  # served forwards another served forward ran beside: no sample,
+    # nothing the change detector watches
 
     def served(self, verdict: Verdict, contention: str | None, other: bool) -> None:
         """Why a served forward runs where it does: the ledger's ``verdict`` on the count

@@ -144,7 +144,9 @@ DEPLOYMENT_SETTINGS: tuple[Setting, ...] = (
             env=THREADS_ENV, parse=_integer("--threads", 1)),
     Setting("--concurrent-forwards", "forwards a CPU worker runs at once, each at --threads "
                                      "threads (default 1; at most 16; together within the "
-                                     "CPU budget; adaptive threads off)",
+                                     "CPU budget; with adaptive threads a forward alone may "
+                                     "take a learned count, one beside others what they "
+                                     "leave)",
             key="engine.concurrent_forwards", parse=_integer("--concurrent-forwards", 1)),
     Setting("--max-num-seqs", "most rows in one forward (default: 32)",
             key="engine.max_num_seqs", parse=_integer("--max-num-seqs", 1)),

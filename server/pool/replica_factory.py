@@ -66,19 +66,17 @@ def engine_args(options: PoolOptions, dep: DeploymentConfig) -> EngineArgs:
 
 def check_concurrent_forwards(options: PoolOptions, config: Config) -> None:
     """Refuse a deployment whose worker would run several forwards at once where it cannot:
-    with adaptive threads on (the tuner times one served forward at a time and freezes its
-    shadows beside it), on a GPU, in a deployment of several workers (each process already
-    runs a forward of its own, and their counts share the host's cores through the core
-    ledger, one forward per worker), or with more threads together than the CPU budget."""
+    on a GPU, in a deployment of several workers (each process already runs a forward of its
+    own, and their counts share the host's cores through the core ledger, one forward per
+    worker), or with more threads together than the CPU budget at the configured count
+    (with adaptive threads a forward takes a count above it only where it fits beside the
+    others running: ``AdaptiveThreads._beside_others``)."""
     for name, dep in config.deployments.items():
         n = dep.engine.concurrent_forwards
         if n == 1:
             continue
         key = (f"global.model_catalog.deployments.{name}.engine.concurrent_forwards "
                f"(--concurrent-forwards) {n}")
-        if adaptive_mode(options, dep) is not AdaptiveMode.OFF:
-            raise ConfigError(f"{key}: several forwards at once run with adaptive threads off "
-                              "(the tuner times one forward at a time); set one or the other")
         if not dep.shorthand or dep.endpoint is not None:
             raise ConfigError(f"{key}: several forwards at once apply to a one-worker "
                               "deployment (its worker in the server's process); with several "

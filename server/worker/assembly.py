@@ -157,6 +157,7 @@ class Worker:
                                 paid_forward=partial(shadows.forward, paid=True),
                                 pause_shadows=shadows.pause, free_cpu_s=free.latest,
                                 free_cpu_resolution_s=free.resolution_s,
+                                cores=spec.budget,
                                 worker=(f"replica {self.replica_id} " if self.replica_id
                                         else "") + f"pid {os.getpid()}")
         tuner.sync.error = tuner.sync.error or error
