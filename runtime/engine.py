@@ -153,6 +153,10 @@ class Engine:
         self.context = context or thread_context()
         # onnxruntime's count is the session's, not the OS thread's: any thread may run it
         self._inline = not getattr(backend, "thread_bound", True)
+        # several forwards at once on a thread-bound backend: each engine thread has lanes of
+        # its own, or two forwards at one count other than the configured would take turns
+        # on the process's one lane of that count
+        self._own_lanes = args.concurrent_forwards > 1 and not self._inline
         self.on_forward = on_forward
         # the padded length of a served forward from its rows and its longest row (mode 2:
         # ``sizes.padded_length``); None: the longest row
@@ -228,15 +232,25 @@ class Engine:
         """One direct forward of a padded batch at ``num_threads`` (see ``_run``)."""
         return self._run(num_threads, lambda: self.backend.forward(batch, num_threads))
 
-    def _run(self, num_threads: int, fn: Callable[[], ForwardResult]) -> ForwardResult:
+    def _run(self, num_threads: int, fn: Callable[[], ForwardResult],
+             context: ThreadContext | None = None) -> ForwardResult:
         """``fn`` at ``num_threads``: on the calling thread where the backend's count is not
-        the OS thread's (onnxruntime), else on the count's lane. A hop to a lane and back
-        cost mode 2 serving 2 of 1 configured thread about 5% of a short forward here."""
-        return fn() if self._inline else self.context.run(num_threads, fn)
+        the OS thread's (onnxruntime), else on the count's lane (of ``context``, else the
+        engine's). A hop to a lane and back cost mode 2 serving 2 of 1 configured thread
+        about 5% of a short forward here."""
+        return fn() if self._inline else (context or self.context).run(num_threads, fn)
 
     # -- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
         self.context.adopt(self.args.num_threads)
+        lanes = ThreadContext() if self._own_lanes else None
+        try:
+            self._serve_until_stopped(lanes)
+        finally:
+            if lanes is not None:
+                lanes.shutdown()
+
+    def _serve_until_stopped(self, lanes: ThreadContext | None) -> None:
         while True:
             with self._cond:
                 self._expire(time.monotonic())
@@ -258,14 +272,16 @@ class Engine:
                          for r in chosen]
                 raw = [self._requests[r.request_id].raw for r in chosen]
             if chosen:
-                self._serve(chosen, rows, types, raw)
+                self._serve(chosen, rows, types, raw, lanes)
 
     def _serve(self, chosen: list[PendingRow], rows: list[list[int]],
-               types: list[list[int] | None], raw: list[bool]) -> None:
+               types: list[list[int] | None], raw: list[bool],
+               lanes: ThreadContext | None = None) -> None:
         batch = pad(rows, types, raw, self.pad_to)
         num_threads = self.threads.served_threads(batch)
         try:
-            result = self._run(num_threads, lambda: self.backend.forward(batch, num_threads))
+            result = self._run(num_threads, lambda: self.backend.forward(batch, num_threads),
+                               lanes)
         except Exception as exc:
             self.threads.observe(batch, None)
             log.exception("forward_failed rows=%d", len(rows))

@@ -123,6 +123,42 @@ class HeldAt:
         return self.inner.forward(batch, num_threads)
 
 
+class AtTwo:
+    """Every forward at 2 threads, heard from each forward's thread."""
+
+    several_at_once = True
+
+    def served_threads(self, batch):
+        return 2
+
+    def observe(self, batch, result):
+        return None
+
+    def close(self):
+        return None
+
+
+def test_two_torch_forwards_at_one_count_above_the_configured_run_at_once():
+    """torch's count lives on the OS thread, so a forward runs on a lane of its count: each
+    engine thread has lanes of its own, and a second forward at 2 threads (configured 1)
+    runs while the first is held, with the answer one forward alone gives."""
+    held = HeldAt(load_backend(resolve(L6), "torch"), length=117)
+    engine = Engine(held, EngineArgs(num_threads=1, concurrent_forwards=2), threads=AtTwo())
+    engine.start()
+    try:
+        first = engine.submit([row(117)])
+        assert held.started.wait(30)
+        second = engine.submit([row(40)]).result(timeout=30)
+        assert not first.done()
+        held.release.set()
+        assert first.result(timeout=60).shape == (1, 384)
+        alone = engine.forward([row(40)], 2).outputs[0]
+        assert np.array_equal(second[0], alone)
+    finally:
+        held.release.set()
+        engine.stop()
+
+
 def test_mode2_serves_a_forward_alone_its_learned_count_and_one_beside_another_its_share(
         tmp_path):
     """Adaptive threads with two forwards at once on a budget of 2 (R4.8, R4.12 inside one
