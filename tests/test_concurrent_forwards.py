@@ -33,21 +33,26 @@ LONG = row(256)
 
 
 class Held:
-    """The real backend, with a forward of at least ``rows`` rows held from its start until
-    ``release`` is set (a forward that takes as long as the test needs)."""
+    """The real backend, with the forwards ``when`` picks held from their start until
+    ``release`` is set (a forward that takes as long as the test needs; shadows run on its
+    twin, never held)."""
 
-    def __init__(self, backend, rows: int) -> None:
-        self.inner, self.rows = backend, rows
+    def __init__(self, backend, when) -> None:
+        self.inner, self.when = backend, when
         self.started, self.release = threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def forward(self, batch, num_threads):
-        if batch.rows >= self.rows:
+        if self.when(batch):
             self.started.set()
             assert self.release.wait(60)
         return self.inner.forward(batch, num_threads)
+
+
+def one_row_of(length: int):
+    return lambda batch: batch.input_ids.shape == (1, length)
 
 
 @pytest.mark.parametrize(("backend_name", "at_once"),
@@ -57,7 +62,7 @@ def test_a_short_request_is_answered_beside_a_long_forward(backend_name, at_once
     the other: as one forward at a time would answer them (within 1e-5), each forward at its
     count as observed inside it (R2.2). With one at a time they wait for it."""
     records = []
-    held = Held(load_backend(resolve(L6), backend_name), rows=16)
+    held = Held(load_backend(resolve(L6), backend_name), lambda b: b.rows >= 16)
     runner = Runner(resolve(L6), held, EngineArgs(num_threads=1, concurrent_forwards=at_once),
                     on_forward=records.append)
     runner.start()
@@ -85,51 +90,15 @@ def test_a_short_request_is_answered_beside_a_long_forward(backend_name, at_once
         runner.stop()
 
 
-def test_an_engine_runs_several_forwards_at_once_only_with_a_policy_that_hears_them():
-    class OneAtATime:  # a policy that does not say it hears several forwards at once
-        def served_threads(self, batch):
-            return 1
+class AtCount:
+    """Every forward at ``count`` threads; ``several_at_once``: whether it says it hears
+    forwards from several threads at once."""
 
-        def observe(self, batch, result):
-            return None
-
-        def close(self):
-            return None
-
-    backend = load_backend(resolve(L6), "onnxruntime")
-    with pytest.raises(ValueError, match="OneAtATime hears one served forward at a time"):
-        Engine(backend, EngineArgs(num_threads=1, concurrent_forwards=2), threads=OneAtATime())
-    engine = Engine(backend, EngineArgs(num_threads=1, concurrent_forwards=2))
-    engine.threads = OneAtATime()  # set after construction, as a worker sets its tuner
-    with pytest.raises(ValueError, match="hears one served forward at a time"):
-        engine.start()
-
-
-class HeldAt:
-    """A backend with its one-row forwards of ``length`` tokens held from their start until
-    ``release`` is set (shadows run on its twin, never held)."""
-
-    def __init__(self, backend, length: int) -> None:
-        self.inner, self.length = backend, length
-        self.started, self.release = threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def forward(self, batch, num_threads):
-        if batch.input_ids.shape == (1, self.length):
-            self.started.set()
-            assert self.release.wait(60)
-        return self.inner.forward(batch, num_threads)
-
-
-class AtTwo:
-    """Every forward at 2 threads, heard from each forward's thread."""
-
-    several_at_once = True
+    def __init__(self, count: int, several_at_once: bool) -> None:
+        self.count, self.several_at_once = count, several_at_once
 
     def served_threads(self, batch):
-        return 2
+        return self.count
 
     def observe(self, batch, result):
         return None
@@ -138,12 +107,24 @@ class AtTwo:
         return None
 
 
+def test_an_engine_runs_several_forwards_at_once_only_with_a_policy_that_hears_them():
+    backend = load_backend(resolve(L6), "onnxruntime")
+    one_at_a_time = AtCount(1, several_at_once=False)
+    with pytest.raises(ValueError, match="AtCount hears one served forward at a time"):
+        Engine(backend, EngineArgs(num_threads=1, concurrent_forwards=2), threads=one_at_a_time)
+    engine = Engine(backend, EngineArgs(num_threads=1, concurrent_forwards=2))
+    engine.threads = one_at_a_time  # set after construction, as a worker sets its tuner
+    with pytest.raises(ValueError, match="hears one served forward at a time"):
+        engine.start()
+
+
 def test_two_torch_forwards_at_one_count_above_the_configured_run_at_once():
     """torch's count lives on the OS thread, so a forward runs on a lane of its count: each
     engine thread has lanes of its own, and a second forward at 2 threads (configured 1)
     runs while the first is held, with the answer one forward alone gives."""
-    held = HeldAt(load_backend(resolve(L6), "torch"), length=117)
-    engine = Engine(held, EngineArgs(num_threads=1, concurrent_forwards=2), threads=AtTwo())
+    held = Held(load_backend(resolve(L6), "torch"), one_row_of(117))
+    engine = Engine(held, EngineArgs(num_threads=1, concurrent_forwards=2),
+                    threads=AtCount(2, several_at_once=True))
     engine.start()
     try:
         first = engine.submit([row(117)])
@@ -178,7 +159,7 @@ def test_mode2_serves_a_forward_alone_its_learned_count_and_one_beside_another_i
     reference = {k: context.run(1, lambda r=r: backend.forward(pad([r]), 1)).outputs
                  for k, r in rows.items()}
     context.shutdown()
-    held = HeldAt(SlowerAt(backend, 1, 5.0), length=117)
+    held = Held(SlowerAt(backend, 1, 5.0), one_row_of(117))
     runner, tuner = start(held, record, AdaptiveMode.SERVE, 1, (1, 2), at_once=2)
     try:
         for i in range(60):  # one client: every forward alone
