@@ -213,10 +213,12 @@ class AdaptiveThreads(ShadowSteps):
             # vouched exploration and a contention fallback need the voucher, not a window
             verdict = self.ledger.may_serve(lo, n, batch.rows, int(batch.input_ids.shape[1]),
                                             explore=n != wanted)
-            self.tally.served(verdict, contention, n != wanted)
+            explored = n != wanted
             if not verdict.allowed:
                 n = self.configured
             fitted = self._beside_others(lo, batch, n)
+            # a count served lower beside the worker's other forwards is not the one timed
+            self.tally.served(verdict, contention, explored and fitted == n)
             self.tally.beside += fitted != n
             self.flight.timed[id(batch)] = self._freeze_for(
                 fitted, sampling=r is None or exploring, contention=contention)
