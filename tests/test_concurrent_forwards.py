@@ -25,6 +25,7 @@ from vllm_srun.server.pool.config import EngineConfig, ReplicaConfig, validate
 from vllm_srun.server.pool.flags import single
 from vllm_srun.server.pool.replica_factory import PoolOptions, check_concurrent_forwards
 from vllm_srun.tuner.adaptive import output_bits
+from vllm_srun.tuner.inflight import InFlight, Timed
 from vllm_srun.tuner.modes import ADAPTIVE_ENV, AdaptiveMode
 from vllm_srun.tuner.report import build, from_tuner
 from vllm_srun.tuner.verify import ShapeBounds, plan_sweep, sweep
@@ -138,6 +139,26 @@ def test_two_torch_forwards_at_one_count_above_the_configured_run_at_once():
     finally:
         held.release.set()
         engine.stop()
+
+
+def test_in_flight_room_and_solo_follow_the_forwards_running():
+    """``InFlight``: the room is the budget less the counts of the forwards running; a
+    forward is solo only if none ran at its start and none started or ended during it."""
+    flight = InFlight(cores=4)
+
+    def begin(batch, count):
+        flight.served_started()
+        flight.timed[id(batch)] = Timed(False, True, 0, None, True, count, flight.busy,
+                                        flight.epoch)
+
+    a, b, c = object(), object(), object()
+    begin(a, 2)
+    assert flight.room() == 2
+    begin(b, 1)  # b starts while a runs: neither is solo
+    assert flight.room() == 1
+    assert not flight.solo(flight.served_ended(b)) and not flight.solo(flight.served_ended(a))
+    begin(c, 4)  # alone from start to end
+    assert flight.room() == 0 and flight.solo(flight.served_ended(c)) and flight.room() == 4
 
 
 def test_mode2_serves_a_forward_alone_its_learned_count_and_one_beside_another_its_share(
