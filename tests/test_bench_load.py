@@ -188,3 +188,23 @@ def test_the_neighbour_null_check_is_the_best_fixed_counts_twin_where_the_run_ha
     row = load_targets.rps_target({"rounds": rounds}, "(d) neighbour", level, "> 1.00")
     assert "null check fixed 1 again / fixed 1" in row["target"]
     assert row["null"]["estimate"] == pytest.approx(1.0)
+
+
+def test_two_forwards_at_once_mode_2_is_judged_against_the_better_fixed_setting_per_level():
+    """The ``concurrent`` section: at 1 client fixed 2 threads wins, at 16 two 1-thread
+    forwards at once; mode 2 with two at once is judged against whichever wins each level,
+    beside that setting's twin."""
+    def runs(v: float) -> list[dict]:
+        return [{"rps": v * (1 + 0.01 * (i % 3))} for i in range(8)]
+    by = {"closed 1 x2": {"fixed 2": 100, "fixed 1 x2": 60, "mode 2 x2": 99},
+          "closed 16 x2": {"fixed 2": 120, "fixed 1 x2": 150, "mode 2 x2": 130}}
+    rounds = {n: {lvl: runs(r[n]) for lvl, r in by.items()}
+              for n in ("fixed 2", "fixed 1 x2", "mode 2 x2")}
+    rounds["fixed 2 again"] = {"closed 1 x2": runs(100)}
+    rounds["fixed 1 x2 again"] = {"closed 16 x2": runs(150)}
+    one, sixteen = load_targets.concurrent_targets({"rounds": rounds})
+    assert "best fixed (fixed 2)" in one["target"] and one["verdict"] == "met"
+    assert "null check fixed 2 again / fixed 2" in one["target"]
+    assert "best fixed (fixed 1 x2)" in sixteen["target"] and sixteen["verdict"] == "missed"
+    assert sixteen["null"]["estimate"] == pytest.approx(1.0)
+    assert load_targets.concurrent_targets({"rounds": {}}) == []
