@@ -45,6 +45,7 @@ from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import FreeCores
+from vllm_srun.tuner.core_rules import grant
 from vllm_srun.tuner.estimator import fastest_under
 from vllm_srun.tuner.golden import Forward, warm_and_check
 from vllm_srun.tuner.idle_verify import IdleVerifier
@@ -225,22 +226,23 @@ class AdaptiveThreads(ShadowSteps):
             return fitted
 
     def _beside_others(self, lo: int, batch: TokenBatch, n: int) -> int:
-        """Several served forwards at once (``concurrent_forwards``): a count above the
-        configured one serves only where it fits beside the worker's other forwards running
-        now (``InFlight.room``), else the largest count that fits and that the ledger admits
-        for the shape (as a contention fallback: the voucher, no window), else the configured
-        count (the configuration keeps that many forwards at it within the budget). A forward
-        alone always fits: at one client a forward takes the learned count, at many each
-        takes its share. Served so, the wanted count is no refusal (``Learner.served``): the
-        worker's own load comes and goes; the host's core ledger refuses what other workers
-        hold."""
+        """Several served forwards at once (``concurrent_forwards``): the rule by which the
+        workers of a host share its cores (``core_rules.grant``), applied to the worker's own
+        forwards: a count above the configured one serves only where it fits beside the
+        threads of the forwards running now (``InFlight.room``), else the largest count below
+        it that fits, of the configured one and those the ledger admits for the shape (as a
+        contention fallback: the voucher, no window). A forward alone always fits: at one
+        client a forward takes the learned count, at many each takes its share. Served so,
+        the wanted count is no refusal (``Learner.served``): the worker's own load comes and
+        goes; the host's core ledger refuses what other workers hold."""
         room = self.flight.room()
         if n <= max(room, self.configured):
             return n
         rows, length = batch.rows, int(batch.input_ids.shape[1])
-        return max((c for c in self.counts if self.configured < c <= room and
-                    self.ledger.may_serve(lo, c, rows, length, explore=True).allowed),
-                   default=self.configured)
+        lower = [c for c in self.counts if c < n and
+                 self.ledger.may_serve(lo, c, rows, length, explore=True).allowed]
+        cores = self.flight.cores
+        return grant(n, self.configured, cores - room, 0, cores, lower)
 
     def _under_load(self, r: RangeLearning) -> int:
         """Mode 2, a range serving its learned count: the count of those the voucher covers
