@@ -310,6 +310,19 @@ def test_the_host_wide_noise_is_correlated_over_seconds_and_forward_noise_is_not
                                                                                       rel=0.2)
 
 
+
+def test_every_run_of_one_seed_meets_the_same_host_wide_noise():
+    """Common random numbers: mode 2 and each fixed count of one seed are compared run
+    against run, so the host-wide factor is one path in virtual time whatever each run's
+    events (two counts, two traffic levels here); drawn per event, each run had its own."""
+    paths = []
+    for fixed, rate in ((1, 5.0), (2, 40.0)):
+        host = SimulatedHost(TimeModel(2, flat()), fixed=fixed, seed=3,
+                             noise=Noise(forward=0.05, host=0.2, host_tau_s=30.0))
+        host.run(poisson_trace(rate, 60, [16, 64, 256], seed=fixed))
+        paths.append([host.clock.slowness.log_at(t) for t in np.arange(0.0, 60.0, 0.5)])
+    assert paths[0] == paths[1] and float(np.std(paths[0])) > 0.02
+
 def test_one_seed_gives_one_run():
     def run():
         host = SimulatedHost(TimeModel(4), seed=5, workers=2)

@@ -5,7 +5,7 @@ host-wide slowness.
 How it works: work is in quiet-host milliseconds (``ConfigFit.quiet_ms`` times a per-forward
 lognormal noise). Between events every forward progresses at the rate ``cores_share`` gives
 it for the threads that want the cores now, divided by a host-wide slowness factor (a
-log-Ornstein-Uhlenbeck process: the correlated part of the noise).
+log-Ornstein-Uhlenbeck process: the correlated part of the noise, ``HostSlowness``).
 
 Invariant: ``now_s`` only moves in ``advance``, which every forward's progress follows.
 """
@@ -22,6 +22,32 @@ from vllm_srun.tuner.free_cpus import share_of_pool
 from vllm_srun.tuner.sim_model import ConfigFit, cores_share
 from vllm_srun.tuner.sim_types import InFlight, Neighbour, Noise
 
+# the host-wide factor's grid: far finer than its time constant (30 s), coarser than a forward
+HOST_STEP_S = 0.05
+
+
+class HostSlowness:
+    """The host-wide factor as a function of virtual time: a log-OU path on a fixed grid,
+    drawn from a generator of its own. Every run of one seed (mode 2 and each fixed count)
+    meets the same slow and fast stretches at the same times, so a ratio between two of them
+    is not also a ratio of two noise paths (common random numbers). Drawn per event from the
+    run's one stream instead, the factor's path followed each run's own events: with a 30-s
+    time constant over a 120-s run, two runs of one seed differed by several percent from
+    the noise alone."""
+
+    def __init__(self, noise: Noise, rng: np.random.Generator) -> None:
+        self._rng = np.random.default_rng(int(rng.integers(2**63)))
+        self._decay = math.exp(-HOST_STEP_S / noise.host_tau_s)
+        self._kick = noise.host * math.sqrt(1 - self._decay * self._decay)
+        self._path = [0.0]
+
+    def log_at(self, at_s: float) -> float:
+        k = max(0, int(at_s / HOST_STEP_S))
+        while len(self._path) <= k:
+            self._path.append(self._path[-1] * self._decay
+                              + self._kick * float(self._rng.normal()))
+        return self._path[k]
+
 
 class CoreClock:
     """``cores`` cores running ``fit``'s forwards beside ``neighbours``, for ``workers``
@@ -37,7 +63,7 @@ class CoreClock:
         self.pooled = pooled
         self.noise, self.rng = noise, rng
         self.now_s = 0.0
-        self._log_host = 0.0  # the host-wide factor, log
+        self.slowness = HostSlowness(noise, rng)  # drawn first: the same path every run
         self.forwards: list[InFlight] = []
         self.free_s = [0.0] * workers  # CPU seconds other tasks left each worker so far
         self.held_s = 0.0  # CPU seconds the neighbour ran so far
@@ -59,7 +85,7 @@ class CoreClock:
         neighbour = self.neighbour_threads(self.now_s)
         shadows = sum(f.threads for f in self.forwards if f.shadow and not frozen(f.worker))
         share = cores_share(self.cores, served + neighbour, shadows)
-        slow = math.exp(self._log_host)
+        slow = math.exp(self.slowness.log_at(self.now_s))
         rates = [0.0 if f.shadow and frozen(f.worker) else
                  (share.shadow if f.shadow else share.rate(f.threads)) / slow
                  for f in self.forwards]
@@ -88,8 +114,5 @@ class CoreClock:
             others = per_worker[:w] + per_worker[w + 1:]
             self.free_s[w] += dt * (share_of_pool(free + per_worker[w], others)
                                     if self.pooled else max(0.0, free + per_worker[w]))
-        decay = math.exp(-dt / self.noise.host_tau_s)
-        self._log_host = self._log_host * decay + self.noise.host * math.sqrt(
-            1 - decay * decay) * float(self.rng.normal())
         self.now_s = to_s
         return over_s
