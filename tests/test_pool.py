@@ -323,7 +323,10 @@ def test_sigkill_mid_request_fails_promptly_and_the_worker_restarts(three):
     killed_at: list[float] = []
 
     def kill():
-        time.sleep(0.2)
+        # at once, with a request in flight there: the deployment's timeout is 800 ms, and a
+        # kill after a fixed sleep landed past it under load (a 504, not the crash's 503)
+        three.wait_for(lambda: three.replicas()["primary-0"]["in_flight"] >= 1, 5,
+                       "a request in flight at primary-0")
         killed_at.append(time.monotonic())
         os.kill(victim, signal.SIGKILL)
 
