@@ -519,3 +519,14 @@ def test_the_moving_best_bench_pairs_mode2_with_every_fixed_count_and_the_oracle
         assert r["vs_best_fixed"] == pytest.approx(min(r["fixed_ms"].values()) / r["mode2_ms"])
         assert 0 < r["vs_oracle"] <= 1 and sum(r["served_threads"].values()) > 0
     assert len(level["vs_oracle"]["ci95"]) == 2
+
+
+def test_the_sweep_on_several_processes_gives_the_figures_of_one():
+    """``python -m bench.tuner_sweep --jobs N`` runs each simulation in a pool of processes:
+    the simulator is deterministic per seed, so the figures are one process's exactly."""
+    from bench.tuner_sweep import _runs, main
+
+    tasks = [("2 cores", seed, 2, None) for seed in (1, 2)]
+    assert _runs(tasks, 2) == _runs(tasks, 1)
+    with pytest.raises(SystemExit):
+        main(["--jobs", "0", "--only", "--scenarios", "2 cores"])
