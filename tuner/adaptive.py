@@ -238,11 +238,15 @@ class AdaptiveThreads(ShadowSteps):
         room = self.flight.room()
         if n <= max(room, self.configured):
             return n
-        rows, length = batch.rows, int(batch.input_ids.shape[1])
-        lower = [c for c in self.counts if c < n and
-                 self.ledger.may_serve(lo, c, rows, length, explore=True).allowed]
         cores = self.flight.cores
-        return grant(n, self.configured, cores - room, 0, cores, lower)
+        return grant(n, self.configured, cores - room, 0, cores, self._vouched_below(lo, batch, n))
+
+    def _vouched_below(self, lo: int, batch: TokenBatch, n: int) -> tuple[int, ...]:
+        """The counts below ``n`` the ledger admits for ``batch``'s shape as a contention
+        fallback (the voucher, no window): what a count that does not fit may serve at."""
+        rows, length = batch.rows, int(batch.input_ids.shape[1])
+        return tuple(c for c in self.counts if c < n and
+                     self.ledger.may_serve(lo, c, rows, length, explore=True).allowed)
 
     def _under_load(self, r: RangeLearning) -> int:
         """Mode 2, a range serving its learned count: the count of those the voucher covers
@@ -262,13 +266,10 @@ class AdaptiveThreads(ShadowSteps):
         else none (the configured count is the ledger's own floor)."""
         if self.mode is not AdaptiveMode.SERVE:
             return ()
-        lo, rows, length = size_range(batch.padded_tokens)[0], batch.rows, \
-            int(batch.input_ids.shape[1])
         with self.lock:
             if not self.ledger.learning:
                 return ()
-            return tuple(c for c in self.counts if c < n and
-                         self.ledger.may_serve(lo, c, rows, length, explore=True).allowed)
+            return self._vouched_below(size_range(batch.padded_tokens)[0], batch, n)
 
     def _freeze_for(self, n: int, sampling: bool, contention: str | None) -> Timed:
         """Freeze the shadow side for a served forward at ``n`` about to start, if a shadow
