@@ -13,6 +13,7 @@ from vllm_srun.records.host_record import Scope
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import FreeCores
 from vllm_srun.tuner.estimator import (
+    at_size,
     changed,
     choose,
     counts_needing_samples,
@@ -24,6 +25,7 @@ from vllm_srun.tuner.estimator import (
     past_a_slower_count,
     served_cost_ms,
     served_sample_ms,
+    size_exponent,
 )
 from vllm_srun.tuner.learning import Learner
 from vllm_srun.tuner.ledger import ExactnessLedger
@@ -211,6 +213,51 @@ def test_a_range_decides_by_time_per_padded_token_so_its_size_mix_does_not_hide_
     for count, ms, tokens in draws(1.0, seed=1):
         flat.sample(64, r, count, ms, tokens)
     assert r.learned == 1
+
+
+def test_a_range_compares_counts_at_one_size_by_its_fitted_size_exponent():
+    """R4.13: short inputs cost mostly a fixed part, so per token a range's smallest inputs
+    look 1.7x dearer than its largest at one count (the simulated bfloat16 16-core host:
+    16-31 tokens, where 4 threads ran 10% faster than the configured 8, was learned at 8).
+    Forward time ``2 + 0.03 * tokens`` ms, 2 threads 1.1x faster, 5% noise, sizes uniform
+    over 16-31, the counts sampled in turn until the range decides: at one size (the slope
+    of log ms on log tokens, fitted within each count) it learns 2 in every draw, per token
+    in about half; with no speed-up it keeps 1."""
+    def decide(seed: int, speed: float) -> tuple[int | None, int | None]:
+        rng = np.random.default_rng(seed)
+        learner = _learner()
+        r = learner.ranges.setdefault(16, RangeLearning())
+        per_token: dict[int, list[float]] = {1: [], 2: []}
+        by_token = None
+        for i in range(200):
+            n, tokens = (1, 2)[i % 2], int(rng.integers(16, 32))
+            ms = (2.0 + 0.03 * tokens) / (speed if n == 2 else 1.0) * rng.lognormal(0, 0.05)
+            if by_token is None:
+                per_token[n] = [*per_token[n], ms / tokens][-48:]
+                by_token = choose(per_token, (1, 2), 1, 12, 0.05, 48)
+            if r.learned is None:
+                learner.sample(16, r, n, ms, tokens)
+        return r.learned, by_token
+
+    faster = [decide(seed, 1.1) for seed in range(10)]
+    assert [sized for sized, _ in faster] == [2] * 10
+    assert sum(by_token == 2 for _, by_token in faster) <= 7
+    assert [decide(seed, 1.0)[0] for seed in range(10)] == [1] * 10
+
+
+def test_the_size_exponent_is_fitted_within_each_count():
+    """``ms ~ tokens ** p`` pooled over counts, each count's own speed taken out; 1 where
+    no count's sizes differ (then any exponent compares the counts alike)."""
+    tokens = {1: [16, 20, 24, 31], 2: [17, 23, 29, 30]}
+    for p in (0.2, 1.0, 1.6):
+        ms = {n: [k * t ** p for t in tokens[n]] for n, k in ((1, 3.0), (2, 2.0))}
+        assert size_exponent(ms, tokens) == pytest.approx(p)
+        sized = at_size(ms, tokens, 16)
+        assert sized[1] == pytest.approx([3.0 * 16 ** p] * 4)
+        assert sized[2] == pytest.approx([2.0 * 16 ** p] * 4)
+    assert size_exponent({1: [5.0, 6.0], 2: [4.0, 4.5]}, {1: [64, 64], 2: [127, 127]}) == 1.0
+    assert size_exponent({1: [1.0, 9.0]}, {1: [16, 17]}) == 2.0  # clipped: noise
+    assert size_exponent({1: [9.0, 1.0]}, {1: [16, 17]}) == 0.0
 
 
 def test_a_range_needs_the_samples_its_decision_waits_for():

@@ -61,7 +61,7 @@ def test_the_decision_statistic_is_named_and_is_the_one_the_decision_uses():
                  samples=samples)
     (rng,) = rep["ranges"]
     assert rep["decision_statistic"] == DECISION_STATISTIC == "median_ms"
-    assert rep["decision_per"] == "padded_token"  # each sample over its padded tokens
+    assert rep["decision_per"] == "range_smallest_size"  # each sample sized to its range's
     e = estimate(NOISY)
     assert rng["counts"]["2"] == {"median_ms": 40.0, "interval_ms": [e.low_ms, e.high_ms],
                                   "p90_ms": 40.0, "samples": 12}

@@ -3,10 +3,16 @@ functions over timing samples; no clock, no lock, no state.
 
 The statistic: the **median** of a count's most recent samples in its range (the caller keeps
 the last ``max_samples``: that is the horizon), with an order-statistic interval of about 80%
-confidence (``estimate``). The learner decides on each sample's time per padded token (a
-range spans sizes up to 2x apart: per token, the size mix within it leaves the interval);
-the report shows the same samples in ms. Samples are what a forward at that count takes with
-its cores free, under the rest of the load the worker sees (its own front end, its clients):
+confidence (``estimate``). The learner decides on each sample's time as a forward of its
+range's smallest size (``at_size``): a range spans sizes up to 2x apart, and its forwards'
+times with them, as ``tokens ** p`` with ``p`` fitted to the range's own samples
+(``size_exponent``). Per token (``p`` = 1) was right for long inputs and wrong for short
+ones, whose time is mostly a fixed part: on the simulated bfloat16 16-core host, 16-31
+tokens read 1.7x dearer per token at 16 than at 31 at one count, which hid a count 10%
+faster (``bench/moving_best.py``). The report shows the same samples in ms.
+
+Samples are what a forward at that count takes with its cores free, under the rest of the
+load the worker sees (its own front end, its clients):
 
 - served forwards at that count (mode 2 serves vouched counts in turn while a range explores:
   these are the main samples, normal priority, beside whatever the host runs), divided by the
@@ -135,9 +141,48 @@ def fastest_under(estimates_ms: Mapping[int, float], free: float | None, learned
                                             n != learned, -n))
 
 
+def size_exponent(samples_ms: Mapping[int, Sequence[float]],
+                  tokens: Mapping[int, Sequence[int]]) -> float:
+    """How a range's forward time grows with its padded tokens, ``ms ~ tokens ** p``: the
+    slope of log ms on log tokens, pooled over counts within each (least squares on each
+    count's samples less their means, so the counts' own speeds leave it), clipped to
+    ``[0, MAX_EXPONENT]``; 1 (per token) where no count's sizes differ."""
+    xs, ys = [], []
+    for n, ms in samples_ms.items():
+        tk = tokens.get(n, ())
+        if len(tk) != len(ms) or len(ms) < 2:
+            continue
+        lx = np.log(np.asarray(tk, dtype=np.float64))
+        ly = np.log(np.maximum(np.asarray(ms, dtype=np.float64), 1e-9))
+        xs.append(lx - lx.mean())
+        ys.append(ly - ly.mean())
+    if not xs:
+        return 1.0
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    sxx = float(x @ x)
+    if sxx < 1e-9:  # (rounding: sizes one token apart give 6e-5 from one pair)
+        return 1.0
+    return min(max(float(x @ y) / sxx, 0.0), MAX_EXPONENT)
+
+
+def at_size(samples_ms: Mapping[int, Sequence[float]], tokens: Mapping[int, Sequence[int]],
+            size: int, exponent: float | None = None) -> dict[int, list[float]]:
+    """Each sample as the time of a forward of ``size`` padded tokens, ``ms * (size /
+    tokens) ** p`` (``p``: ``exponent``, else ``size_exponent`` of these samples): what
+    the counts of a range are compared by (see the module docstring)."""
+    p = size_exponent(samples_ms, tokens) if exponent is None else exponent
+    return {n: [m * (size / t) ** p for m, t in zip(v, tokens.get(n, ()), strict=True)]
+            for n, v in samples_ms.items()}
+
+
 def typical(samples_ms: Sequence[float]) -> float:
     """The statistic counts are compared by: the median (``estimate``)."""
     return float(np.median(np.asarray(samples_ms, dtype=np.float64)))
+
+
+# forward time grows at most with the square of the tokens (attention's part); a fitted slope
+# past it is noise
+MAX_EXPONENT = 2.0
 
 
 # A shadow whose threads waited, per thread, for more than this share of its wall time ran for

@@ -31,6 +31,7 @@ from vllm_srun.tuner.estimator import (
     out_of_reach,
     served_cost_ms,
     served_sample_ms,
+    size_exponent,
     speedup,
     typical,
 )
@@ -39,7 +40,7 @@ from vllm_srun.tuner.ledger import ExactnessLedger, first_difference
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import RecordSync
 from vllm_srun.tuner.policy import explore_count, shadow_plan
-from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, settle
+from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, settle, sized
 from vllm_srun.tuner.relearning import Relearning
 from vllm_srun.tuner.scheduling import ShadowJob
 from vllm_srun.tuner.settings import TunerSettings
@@ -68,11 +69,11 @@ class Learner(Relearning):
     def need(self, r: RangeLearning) -> list[int]:
         """Counts an exploring range still needs samples of (``explored``): ``min_samples``
         of each, then more of those the rule is unsure of (``estimator.counts_to_sample``),
-        judged by the samples ``update`` decides on (per padded token): a count ruled out by
-        its times in ms but not per token would be neither timed nor decided without, and
+        judged by the samples ``update`` decides on (``ranges.sized``): a count ruled out by its
+        times in ms but not at one size would be neither timed nor decided without, and
         the range would explore for good."""
         s = self.settings.learning
-        return counts_to_sample(r.per_token, self.explored(r), self.configured,
+        return counts_to_sample(sized(r), self.explored(r), self.configured,
                                 s.min_samples, s.max_samples, s.margin)
 
     def explored(self, r: RangeLearning) -> tuple[int, ...]:
@@ -91,8 +92,8 @@ class Learner(Relearning):
             return {}
         long = self.settings.learning.held_out_s
         held_out = [n for n, t in r.held.items() if self.now - t >= long]
-        held = out_of_reach({}, r.per_token, self.counts, self.configured, held_out)
-        refused = out_of_reach(r.refused, r.per_token, self.counts, self.configured)
+        held = out_of_reach({}, r.samples, self.counts, self.configured, held_out)
+        refused = out_of_reach(r.refused, r.samples, self.counts, self.configured)
         return {**dict.fromkeys(held, HELD), **dict.fromkeys(refused, REFUSED)}
 
     def adopt(self, candidates: dict[int, int]) -> None:
@@ -254,7 +255,7 @@ class Learner(Relearning):
     # -- the steps -------------------------------------------------------------------------
     def sample(self, lo: int, r: RangeLearning, count: int, ms: float, tokens: int) -> None:
         keep = self.settings.learning.max_samples
-        for store, value in ((r.samples, ms), (r.per_token, ms / tokens)):
+        for store, value in ((r.samples, ms), (r.tokens, tokens)):
             kept = store.setdefault(count, [])
             kept.append(value)
             del kept[:-keep]
@@ -262,17 +263,19 @@ class Learner(Relearning):
         if r.exploring:
             self.update(lo, r)
         else:
-            self.watch(lo, r, (count, "shadow"), ms / tokens, self.settings.learning.probe_window)
+            self.watch(lo, r, (count, "shadow"), self.at_lo(lo, r, ms, tokens),
+                       self.settings.learning.probe_window)
 
     def update(self, lo: int, r: RangeLearning) -> None:
         """An exploring range took a sample: learn a count once the estimator chooses one
-        (``estimator.choose``) by each count's time per padded token: a range spans sizes up
-        to 2x apart, and its forwards' times with them, which widened each count's interval
-        so that a count 1.2x faster was learned from 12 samples in about half of the draws
-        (sizes uniform over a range, 10-15% noise; per token, 77-95%, with fewer counts
-        learned where none was faster: ``tests/test_estimator.py``)."""
+        (``estimator.choose``) by each count's time as a forward of the range's smallest
+        size (``ranges.sized``): a range spans sizes up to 2x apart, and its forwards' times with
+        them, which widened each count's interval so that a count 1.2x faster was learned
+        from 12 samples in about half of the draws (sizes uniform over a range, 10-15%
+        noise; per token, 77-95%, with fewer counts learned where none was faster:
+        ``tests/test_estimator.py``)."""
         s = self.settings.learning
-        new = choose(r.per_token, self.explored(r), self.configured, s.min_samples, s.margin,
+        new = choose(sized(r), self.explored(r), self.configured, s.min_samples, s.margin,
                      s.max_samples)
         if new is None:
             return
@@ -285,7 +288,8 @@ class Learner(Relearning):
             return
         learn(r, new, self.configured, self.mode is AdaptiveMode.SERVE,
               self.ledger.may_serve_range(lo, new))
-        r.baselines = {(n, "shadow"): typical(v) for n, v in r.per_token.items()}
+        r.exponent = size_exponent(r.samples, r.tokens)
+        r.baselines = {(n, "shadow"): typical(v) for n, v in sized(r).items()}
         r.recent = {}
         self.sync.pending.learned.add(lo)
         log.info("threads_learned range=%d-%d num_threads=%d speedup=%.3f", lo, 2 * lo - 1,
@@ -311,7 +315,7 @@ class Learner(Relearning):
                  lo, 2 * lo - 1, r.learned, self.ledger.progress(lo, r.learned))
 
     def speedup(self, r: RangeLearning) -> float:
-        return speedup(r.per_token, self.configured, r.learned or self.configured) or 1.0
+        return speedup(sized(r), self.configured, r.learned or self.configured) or 1.0
 
     def drift(self, job: ShadowJob, count: int, result: ForwardResult,
               at: tuple[int, ...]) -> None:

@@ -21,6 +21,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from vllm_srun.runtime.sizes import size_range
+from vllm_srun.tuner.estimator import at_size
+
 
 class RangeState(enum.StrEnum):
     """What the report (``GET /v1/threads``, ``vllm-srun threads report``) and the metrics
@@ -50,12 +53,15 @@ class Phase(enum.StrEnum):
 class RangeLearning:
     phase: Phase = Phase.EXPLORING
     samples: dict[int, list[float]] = field(default_factory=dict)  # count -> forward ms
-    per_token: dict[int, list[float]] = field(default_factory=dict)  # count -> ms per token
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # count -> padded tokens
+    # of each sample; the size exponent the range was learned with (``estimator.at_size``)
+    exponent: float = 1.0
     learned: int | None = None
     relearns: int = 0
     keep_serving: int | None = None  # relearning: the verified count served meanwhile
     served_at_learned: int = 0
-    # R4.11: (count, "shadow" | "served") -> ms per token when learned, and since
+    # R4.11: (count, "shadow" | "served") -> ms at the range's smallest size when learned,
+    # and since
     baselines: dict[tuple[int, str], float] = field(default_factory=dict)
     recent: dict[tuple[int, str], list[float]] = field(default_factory=dict)
     explore_served: bool = False  # mode 2, vouched: its own served forwards time each count
@@ -89,6 +95,14 @@ class RangeLearning:
     @property
     def relearning(self) -> bool:
         return self.phase is Phase.RELEARNING
+
+
+def sized(r: RangeLearning) -> dict[int, list[float]]:
+    """Range ``r``'s samples as forwards of its smallest size (``estimator.at_size``: its
+    sizes differ up to 2x, and its forwards' times with them): what its counts are
+    compared by."""
+    some = next((v[0] for v in r.tokens.values() if v), 1)
+    return at_size(r.samples, r.tokens, size_range(some)[0])
 
 
 def learn(r: RangeLearning, count: int, configured: int, serve_mode: bool,

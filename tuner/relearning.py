@@ -31,10 +31,16 @@ class Relearning:
         pass)."""
         if contention is None and r.phase is not Phase.VERIFYING and not (
                 followed and r.serving and count == r.learned > min(self.counts)):
-            self.watch(lo, r, (count, "served"), ms / tokens,
+            self.watch(lo, r, (count, "served"), self.at_lo(lo, r, ms, tokens),
                        self.settings.learning.relearn_window)
 
-    def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], per_token_ms: float,
+    @staticmethod
+    def at_lo(lo: int, r: RangeLearning, ms: float, tokens: int) -> float:
+        """One forward's time as a forward of ``lo`` padded tokens, by the size exponent
+        its range was learned with (``estimator.at_size``): like against like."""
+        return ms * (lo / tokens) ** r.exponent
+
+    def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], sized_ms: float,
               window: int) -> None:
         """R4.11, the change detector (``estimator.changed``): forwards at one count against
         forwards at that same count when the range was learned, like against like: probe
@@ -43,7 +49,7 @@ class Relearning:
         than the configured one never triggers it; a neighbour that arrives slows the served
         count, one that leaves speeds up a probe."""
         recent = r.recent.setdefault(key, [])
-        recent.append(per_token_ms)
+        recent.append(sized_ms)
         if len(recent) < window:
             return
         r.recent[key] = []

@@ -20,16 +20,17 @@ from vllm_srun.tuner.advice import OFF_REASON, learning_state, recommendation
 from vllm_srun.tuner.estimator import estimate, past_a_slower_count, speedup
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import summarize
-from vllm_srun.tuner.ranges import RangeLearning, RangeState, report_state, wanted_count
+from vllm_srun.tuner.ranges import RangeLearning, RangeState, report_state, sized, wanted_count
 
 CBWR_REMEDY = ("answers drifted across thread counts with the torch backend; start the worker "
                "with --mkl-cbwr (sets MKL_CBWR=AUTO before torch loads), which made this kind "
                "of host bit-identical across counts, then `vllm-srun threads reset`")
 # the statistic ``estimator.choose`` compares counts by, as named in reports
 DECISION_STATISTIC = "median_ms"
-# ... of each sample over its padded tokens (``learning.Learner.update``): what the learner
-# compares; the report shows the counts' medians in ms beside it
-DECISION_PER = "padded_token"
+# ... of each sample as a forward of its range's smallest size, by the range's fitted size
+# exponent (``ranges.sized``): what the learner compares; the report shows the counts'
+# medians in ms beside it
+DECISION_PER = "range_smallest_size"
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
     """A copy of the tuner's state (the engine and shadow threads keep changing it)."""
     with t.lock:
         ranges = {lo: replace(r, samples={n: list(v) for n, v in r.samples.items()},
-                              per_token={n: list(v) for n, v in r.per_token.items()})
+                              tokens={n: list(v) for n, v in r.tokens.items()})
                   for lo, r in t.learner.ranges.items()}
         passes = {lo: t.ledger.progress(lo, r.learned) for lo, r in ranges.items()
                   if r.learned is not None}
@@ -150,7 +151,8 @@ def build(inp: ReportInput) -> dict:
         r = inp.ranges[lo]
         per_count = {}
         # counts the learner does not time: past a count slower than the fastest
-        skipped = past_a_slower_count(r.per_token or r.samples, inp.counts)
+        at_one_size = sized(r) if r.tokens else r.samples  # as the learner has them
+        skipped = past_a_slower_count(at_one_size, inp.counts)
         # ... or out of the host's cores' reach, as the learner has it (R4.12)
         unreachable = inp.unreachable.get(lo, {})
         for n in inp.counts:
@@ -166,8 +168,8 @@ def build(inp: ReportInput) -> dict:
                 **({"out_of_reach": unreachable[n]} if n in unreachable else {})}
         served = inp.configured if rec.drift is not None or rec.locked_reason else \
             wanted_count(r, inp.configured)
-        # as the learner has it: per padded token (a record's report: its stored ms)
-        up = speedup(r.per_token or r.samples, inp.configured, r.learned) if r.learned else None
+        # as the learner has it: at one size (a record's report: its stored ms)
+        up = speedup(at_one_size, inp.configured, r.learned) if r.learned else None
         ranges.append({"size_range": f"{lo}-{2 * lo - 1}", "served_threads": served,
                        "counts": per_count, "learned_threads": r.learned,
                        "speedup": round(up, 3) if up else None,
