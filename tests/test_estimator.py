@@ -60,10 +60,11 @@ def test_a_count_replaces_the_configured_one_only_when_its_interval_clears_the_m
     assert choose({1: configured, 2: clear[:11]}, (1, 2), 1, 12, 0.05, 48) is None
     # unsure (its median under the bar, its interval over it): both counts take more
     # samples, up to the most a decision rests on, where the medians decide
-    unsure = {1: configured, 2: spread}
+    noisy = [9.6, 10.4] * 6  # median 10, its interval reaching into 2's
+    unsure = {1: noisy, 2: spread}
     assert choose(unsure, (1, 2), 1, 12, 0.05, 48) is None
     assert counts_to_sample(unsure, (1, 2), 1, 12, 48, 0.05) == [1, 2]
-    assert choose({1: configured * 4, 2: spread * 4}, (1, 2), 1, 12, 0.05, 48) == 2
+    assert choose({1: noisy * 4, 2: spread * 4}, (1, 2), 1, 12, 0.05, 48) == 2
     # a median over the bar decides for the configured count at once
     assert counts_to_sample({1: configured, 2: [9.8] * 6 + [5.0] * 5 + [9.9]}, (1, 2), 1,
                             12, 48, 0.05) == []
@@ -91,11 +92,17 @@ def test_an_unsure_count_takes_more_samples_so_noise_does_not_keep_the_configure
     assert share(1.25)[0] > 0.75 and share(1.5)[0] > 0.95
     assert share(1.0)[0] < 0.25 and share(0.9)[0] < 0.1
     assert share(1.0)[1] < 36  # samples in all: 24 at the least, 96 at the most
-def test_a_count_losing_2x_early_needs_no_more_samples():
-    samples = {1: [10.0] * 12, 2: [25.0, 30.0, 22.0]}
+def test_a_count_behind_for_sure_early_needs_no_more_samples():
+    """Its interval wholly above the fastest count's: at three samples, all of them above
+    that interval; the host's noise, in the intervals, sets how far behind is sure."""
+    samples = {1: [9.0, 10.0, 11.0] * 4, 2: [25.0, 30.0, 12.0]}
     assert counts_needing_samples(samples, (1, 2), 12) == []
     assert choose(samples, (1, 2), 1, 12, 0.05, 48) == 1
-    samples[2] = [25.0, 30.0, 12.0]  # one fast sample keeps it in
+    samples[2] = [25.0, 30.0, 10.5]  # one sample within 1's interval keeps it in
+    assert counts_needing_samples(samples, (1, 2), 12) == [2]
+    samples[2] = [13.0, 12.5, 12.0]  # 1.2x behind, all three past 1's interval: out
+    assert counts_needing_samples(samples, (1, 2), 12) == []
+    samples[1] = [7.0, 10.0, 14.0] * 4  # as far behind on a noisier host: still in
     assert counts_needing_samples(samples, (1, 2), 12) == [2]
 
 
@@ -105,10 +112,10 @@ def test_counts_past_a_slower_one_are_not_timed_and_the_rest_decide():
     host timed each a dozen times per range at up to 8x its best count's cost); 4 itself is
     still timed. 16 faster than 8 keeps every count above 8 in play."""
     counts = (1, 2, 4, 8, 16)
-    samples = {8: [10.0, 10.4, 9.8], 4: [11.0, 11.5, 10.9], 16: [9.0, 9.5, 9.2]}
+    samples = {8: [10.0, 10.4, 9.8], 4: [11.0, 11.5, 10.3], 16: [9.0, 9.5, 9.2]}
     # fastest is 16: 8 (between 16 and 4) is slower than its median, so 4, 2, 1 are out
     assert past_a_slower_count(samples, counts) == {1, 2, 4}
-    samples[16] = [10.5, 11.0, 10.8]  # now 8 is fastest: only 2 and 1 lie past slower 4
+    samples[16] = [10.2, 11.0, 10.8]  # now 8 is fastest: only 2 and 1 lie past slower 4
     assert past_a_slower_count(samples, counts) == {1, 2}
     assert counts_needing_samples(samples, counts, 12) == [4, 8, 16]
     samples[4] = [11.0, 11.5, 9.9]  # one forward at 4 under 8's median: keep going down

@@ -114,9 +114,11 @@ def test_a_timing_shadow_starts_only_if_the_next_served_forward_likely_leaves_it
 
 
 def test_counts_far_behind_after_their_first_samples_need_no_more():
-    samples = {1: [10.0] * 3, 2: [6.0] * 3, 16: [40.0] * 3}
+    samples = {1: [10.0, 5.0, 12.0], 2: [6.0] * 3, 16: [40.0] * 3}
     assert losing_counts(samples, (1, 2, 16)) == {16}
     assert counts_needing_samples(samples, (1, 2, 16), 12) == [1, 2]
+    samples[1] = [10.0, 9.0, 12.0]  # every sample past 2's: out too
+    assert losing_counts(samples, (1, 2, 16)) == {1, 16}
     full = {1: [10.0] * 12, 2: [6.0] * 12, 16: [40.0] * 3}
     assert choose(full, (1, 2, 16), 1, 12, 0.05, 48) == 2
 
