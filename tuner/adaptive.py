@@ -251,7 +251,7 @@ class AdaptiveThreads(ShadowSteps):
     def _under_load(self, r: RangeLearning) -> int:
         """Mode 2, a range serving its learned count: the count of those the voucher covers
         at or below it that takes the least under the cores other tasks leave now
-        (``estimator.fastest_under`` over each count's per-token estimate when learned)."""
+        (``estimator.fastest_under`` over each count's estimate at one size when learned)."""
         free = self.free_cores.at(self.clock())
         if free is None or free >= r.learned:
             return r.learned

@@ -104,7 +104,14 @@ def estimate(samples_ms: Sequence[float]) -> Estimate | None:
     half = Z_80 * math.sqrt(n) / 2
     lo = max(0, math.floor(n / 2 - half) - 1)
     hi = min(n - 1, math.ceil(n / 2 + half) - 1)
-    return Estimate(float(np.median(s)), s[lo], s[hi], n)
+    return Estimate(_median(s), s[lo], s[hi], n)
+
+
+def _median(s: Sequence[float]) -> float:
+    """The median of sorted ``s`` (as ``np.median``; on a few dozen samples, without its
+    overhead: the learner reads medians on each served forward it explores on)."""
+    mid = len(s) // 2
+    return float(s[mid]) if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def load_factor(n: int, free: float | None) -> float:
@@ -146,22 +153,28 @@ def size_exponent(samples_ms: Mapping[int, Sequence[float]],
     slope of log ms on log tokens, pooled over counts within each (least squares on each
     count's samples less their means, so the counts' own speeds leave it), clipped to
     ``[0, MAX_EXPONENT]``; 1 (per token) where no count's sizes differ."""
-    xs, ys = [], []
-    for n, ms in samples_ms.items():
-        tk = tokens.get(n, ())
-        if len(tk) != len(ms) or len(ms) < 2:
-            continue
-        lx = np.log(np.asarray(tk, dtype=np.float64))
-        ly = np.log(np.maximum(np.asarray(ms, dtype=np.float64), 1e-9))
-        xs.append(lx - lx.mean())
-        ys.append(ly - ly.mean())
-    if not xs:
-        return 1.0
-    x, y = np.concatenate(xs), np.concatenate(ys)
+    return _fit(samples_ms, tokens)[0]
+
+
+def _fit(samples_ms: Mapping[int, Sequence[float]], tokens: Mapping[int, Sequence[int]]
+         ) -> tuple[float, list[int], np.ndarray, np.ndarray]:
+    """``size_exponent``, with the counts, the samples' log ms and log tokens it read (one
+    array each over every count: a learner calls this on each served forward it explores
+    on, so no per-count numpy calls)."""
+    counts = [n for n, v in samples_ms.items() if v]
+    ms = np.array([m for n in counts for m in samples_ms[n]], np.float64)
+    tk = np.array([t for n in counts for t in tokens[n]], np.float64)
+    if len(ms) != len(tk):
+        raise ValueError("every sample needs its padded tokens")
+    sizes = np.array([len(samples_ms[n]) for n in counts])
+    starts = np.cumsum(sizes) - sizes
+    ly, lx = np.log(np.maximum(ms, 1e-9)), np.log(np.maximum(tk, 1.0))
+    x = lx - np.repeat(np.add.reduceat(lx, starts) / sizes, sizes) if counts else lx
+    y = ly - np.repeat(np.add.reduceat(ly, starts) / sizes, sizes) if counts else ly
     sxx = float(x @ x)
     if sxx < 1e-9:  # (rounding: sizes one token apart give 6e-5 from one pair)
-        return 1.0
-    return min(max(float(x @ y) / sxx, 0.0), MAX_EXPONENT)
+        return 1.0, counts, ly, lx
+    return min(max(float(x @ y) / sxx, 0.0), MAX_EXPONENT), counts, ly, lx
 
 
 def at_size(samples_ms: Mapping[int, Sequence[float]], tokens: Mapping[int, Sequence[int]],
@@ -169,14 +182,22 @@ def at_size(samples_ms: Mapping[int, Sequence[float]], tokens: Mapping[int, Sequ
     """Each sample as the time of a forward of ``size`` padded tokens, ``ms * (size /
     tokens) ** p`` (``p``: ``exponent``, else ``size_exponent`` of these samples): what
     the counts of a range are compared by (see the module docstring)."""
-    p = size_exponent(samples_ms, tokens) if exponent is None else exponent
-    return {n: [m * (size / t) ** p for m, t in zip(v, tokens.get(n, ()), strict=True)]
-            for n, v in samples_ms.items()}
+    p, counts, ly, lx = _fit(samples_ms, tokens)
+    if exponent is not None:
+        p = exponent
+    sized = np.exp(ly + p * (math.log(size) - lx)).tolist()
+    out: dict[int, list[float]] = {n: [] for n in samples_ms}
+    at = 0
+    for n in counts:
+        k = len(samples_ms[n])
+        out[n] = sized[at:at + k]
+        at += k
+    return out
 
 
 def typical(samples_ms: Sequence[float]) -> float:
     """The statistic counts are compared by: the median (``estimate``)."""
-    return float(np.median(np.asarray(samples_ms, dtype=np.float64)))
+    return _median(sorted(samples_ms))
 
 
 # forward time grows at most with the square of the tokens (attention's part); a fitted slope
