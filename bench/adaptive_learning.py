@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import openloop
-from bench.adaptive_wrk import Server, range_states, wrk
+from bench.adaptive_wrk import Server, range_counts, range_states, wrk
 from bench.load_trace import forward_totals, range_oracle, since, total_seconds
 
 MODE2 = "mode 2 (fresh, no learning phase)"
@@ -90,13 +90,14 @@ def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, c
         server = fresh()
         try:
             early = [window(server, base + 5_000 + k, settle_window_s) for k in range(settle)]
-            settled = {}
+            settled, settled_counts = {}, {}
             if early:
                 show(MODE2 + " (settling)", early)
                 # what it serves once settled: between its windows below it idles while
                 # the others run, and idle time lets shadows finish what load left undone
                 with contextlib.suppress(Exception):
-                    settled = range_states(server.threads())
+                    report = server.threads()
+                    settled, settled_counts = range_states(report), range_counts(report)
             servers = {**fixed, MODE2: server}
             got: dict[str, list[dict]] = {n: [] for n in servers}
             for k in range(windows):
@@ -107,9 +108,11 @@ def steady(fixed: dict[str, Server], fresh: Callable[[], Server], script: str, c
             for n, ws in got.items():
                 show(n, ws)
             rnd[MODE2]["ranges_settled"] = settled
+            rnd[MODE2]["counts_settled"] = settled_counts
             try:
                 report = server.threads()
                 rnd[MODE2]["ranges_after"] = range_states(report)
+                rnd[MODE2]["counts_after"] = range_counts(report)
                 # what learning did: fallbacks under contention, samples, paid shadows
                 rnd[MODE2]["learning_after"] = report.get("learning", {})
             except Exception as exc:  # noqa: BLE001 (a report is a bonus)

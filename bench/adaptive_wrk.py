@@ -206,6 +206,12 @@ def range_states(report: dict) -> dict[str, str]:
             for r in report.get("ranges", ())}
 
 
+def range_counts(report: dict) -> dict[str, dict]:
+    """Each range's per-count figures of a ``GET /v1/threads`` report (median, ~80% interval,
+    samples, why a count was not timed): what a range decided on."""
+    return {r["size_range"]: r.get("counts", {}) for r in report.get("ranges", ())}
+
+
 class Server:
     def __init__(self, model: str, args: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", "vllm_srun.server", "serve", model, *args,
