@@ -14,7 +14,7 @@ from tests.conftest import run_cli
 from vllm_srun.records.host_record import Coverage, DriftEvent, HostRecord, Scope, Voucher
 from vllm_srun.server.frontend.progress import Progress, clock_text, eta_s
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
-from vllm_srun.tuner.estimator import choose, estimate
+from vllm_srun.tuner.estimator import at_size, choose, estimate
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.ranges import Phase, RangeLearning
 from vllm_srun.tuner.report import (
@@ -69,6 +69,34 @@ def test_the_decision_statistic_is_named_and_is_the_one_the_decision_uses():
     assert rng["counts"]["1"]["median_ms"] == 15.0
     assert rng["learned_threads"] == 1 and rng["speedup"] == 1.0
     assert "median [80% interval]/p90/n" in table(rep) and "40.00 [" in table(rep)
+
+
+def test_a_live_report_shows_what_the_learner_compared_at_one_size():
+    """R4.13: beside each count's median in ms, a live worker's report gives the median and
+    interval of its samples as forwards of the range's smallest size, the figures the rule
+    decided on (here 2 threads ran the long inputs of the range and 1 the short: in ms 2
+    reads slower, at one size faster); a record's report keeps no sizes and has none."""
+    tokens = {1: [32] * 6 + [40] * 6, 2: [60] * 6 + [63] * 6}
+    samples = {1: [10.0] * 6 + [12.5] * 6, 2: [15.0] * 6 + [15.75] * 6}
+    r = RangeLearning(Phase.LEARNED, samples=samples, tokens=tokens, learned=2)
+    rep = build(ReportInput(AdaptiveMode.LEARN, 1, (1, 2), {32: r},
+                            RecordState(SCOPE, Voucher(0, 0, False), None, None),
+                            DecisionRule(S.learning.margin, S.learning.min_samples)))
+    (rng,) = rep["ranges"]
+    at = {n: rng["counts"][str(n)]["at_smallest_size_ms"] for n in (1, 2)}
+    sized = at_size(samples, tokens, 32)
+    for n in (1, 2):
+        e = estimate(sized[n])
+        assert at[n] == {"median_ms": round(e.ms, 3),
+                         "interval_ms": [round(e.low_ms, 3), round(e.high_ms, 3)]}
+    assert rng["counts"]["2"]["median_ms"] > rng["counts"]["1"]["median_ms"]
+    assert at[2]["median_ms"] < at[1]["median_ms"]
+    assert choose(sized, (1, 2), 1, 12, 0.05, 48) == 2
+    stored = RangeLearning(Phase.LEARNED, samples=samples, learned=2)
+    rep = build(ReportInput(AdaptiveMode.LEARN, 1, (1, 2), {32: stored},
+                            RecordState(SCOPE, Voucher(0, 0, False), None, None),
+                            DecisionRule(S.learning.margin, S.learning.min_samples)))
+    assert "at_smallest_size_ms" not in rep["ranges"][0]["counts"]["1"]
 
 
 def test_states_and_recommendations():

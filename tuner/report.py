@@ -158,12 +158,19 @@ def build(inp: ReportInput) -> dict:
         for n in inp.counts:
             s, e = summarize(r.samples.get(n, [])), estimate(r.samples.get(n, []))
             why = "past a slower count" if n in skipped else unreachable.get(n)
+            # what the learner compared: each sample as a forward of the range's smallest
+            # size (a live worker; a record keeps no sizes)
+            sized_e = estimate(at_one_size.get(n, [])) if r.tokens else None
             per_count[str(n)] = {
                 **({"median_ms": round(s.median_ms, 3),
                     "interval_ms": [round(e.low_ms, 3), round(e.high_ms, 3)],
                     "p90_ms": round(s.p90_ms, 3), "samples": s.samples} if s else
                    {"median_ms": None, "interval_ms": None, "p90_ms": None, "samples": 0,
                     **({"not_timed": why} if why else {})}),
+                **({"at_smallest_size_ms": {
+                    "median_ms": round(sized_e.ms, 3),
+                    "interval_ms": [round(sized_e.low_ms, 3), round(sized_e.high_ms, 3)]}}
+                   if sized_e else {}),
                 **({"refused": r.refused[n]} if r.refused.get(n) else {}),
                 **({"out_of_reach": unreachable[n]} if n in unreachable else {})}
         served = inp.configured if rec.drift is not None or rec.locked_reason else \
