@@ -50,7 +50,7 @@ requests of fixed 1 (``bench/results/adaptive_load_steady_vouched_loadfactor.jso
 for it as soon as the faster count's median lay over the bar (its interval reaching under)
 kept it, on samples spread +-30% as served forwards are beside 16 closed-loop clients, where
 the other count ran 1.15x faster in 2 draws of 5 (``tests/test_estimator.py``). A flat range
-now takes its 48 samples of each count (the counts cost the same, so exploring loses little).
+takes its 48 samples of each count (the counts cost the same, so exploring loses little).
 
 The change detector (``changed``): the median of
 recent forwards at one count moved by ``factor`` either way from that same count's estimate
