@@ -3,7 +3,7 @@
 In mode 1 answers stay at the configured count, so another count is timed only by shadows:
 forwards in an idle-class (``SCHED_IDLE``) process that yield to every other task. The
 estimator turns a shadow's time into what that count would cost a served forward with
-``estimator.served_cost_ms``: its wall time less its threads' run delay per thread (the time
+``samples.served_cost_ms``: its wall time less its threads' run delay per thread (the time
 another task held a CPU it wanted). This bench measures, for the same batches, under the same
 neighbour, one after another:
 
@@ -17,7 +17,7 @@ Per round and (neighbour, shape, count), each side's median of ``--reps`` forwar
 shadow / served per round, with its median over rounds and a bootstrap 95% interval. A ratio
 near 1 means the shadow's converted time predicts the served cost; below 1, the shadow
 promises a count more than a served forward gets. A shadow whose threads waited for most of
-its time gives no figure (``estimator.MAX_WAITED_SHARE``). The last table says whether the
+its time gives no figure (``samples.MAX_WAITED_SHARE``). The last table says whether the
 count that is fastest by the shadows' figures is the count that is fastest served.
 
     python -m bench.shadow_vs_served [--rounds 8] [--reps 3] [--backend onnxruntime]
@@ -42,7 +42,7 @@ from vllm_srun.runtime.artifact import resolve
 from vllm_srun.runtime.backend import load_backend
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.runtime.types import TokenBatch
-from vllm_srun.tuner.estimator import served_cost_ms
+from vllm_srun.tuner.samples import served_cost_ms
 from vllm_srun.tuner.shadows import ShadowProcess
 
 SHAPES = ((1, 16), (1, 128), (8, 64), (16, 128))  # rows x padded length

@@ -13,19 +13,13 @@ from vllm_srun.records.host_record import Scope
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import FreeCores
 from vllm_srun.tuner.estimator import (
-    at_size,
     changed,
     choose,
     counts_needing_samples,
     counts_to_sample,
     estimate,
-    fastest_under,
-    load_factor,
     out_of_reach,
     past_a_slower_count,
-    served_cost_ms,
-    served_sample_ms,
-    size_exponent,
 )
 from vllm_srun.tuner.learning import Learner
 from vllm_srun.tuner.ledger import ExactnessLedger
@@ -33,6 +27,14 @@ from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import RecordSync
 from vllm_srun.tuner.policy import explore_count
 from vllm_srun.tuner.ranges import RangeLearning
+from vllm_srun.tuner.samples import (
+    at_size,
+    fastest_under,
+    load_factor,
+    served_cost_ms,
+    served_sample_ms,
+    size_exponent,
+)
 from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.tally import Tally
 

@@ -385,7 +385,7 @@ def test_mode2_without_a_sweep_verifies_the_shapes_it_serves_from_the_share_unde
 def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(tmp_path):
     """R4.13: mode 2 serving a learned 2 threads (vouched): a CPU-bound neighbour takes a
     core, 2 threads run ~2x slower while 1 thread does not slow, and the free cores read from
-    /proc say so: by the load factor (``estimator.load_factor``: 2x at 2 threads, 1x at 1)
+    /proc say so: by the load factor (``samples.load_factor``: 2x at 2 threads, 1x at 1)
     1 thread is faster, and serves within a few windows; 2 threads serve again once the
     neighbour leaves and the next window reads its core free. Nothing probes, and a
     neighbour this brief relearns nothing. Real L3 on onnxruntime, a real neighbour process,

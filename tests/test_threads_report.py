@@ -14,7 +14,7 @@ from tests.conftest import run_cli
 from vllm_srun.records.host_record import Coverage, DriftEvent, HostRecord, Scope, Voucher
 from vllm_srun.server.frontend.progress import Progress, clock_text, eta_s
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings
-from vllm_srun.tuner.estimator import at_size, choose, estimate
+from vllm_srun.tuner.estimator import choose, estimate
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.ranges import Phase, RangeLearning
 from vllm_srun.tuner.report import (
@@ -28,6 +28,7 @@ from vllm_srun.tuner.report import (
     off_report,
 )
 from vllm_srun.tuner.report_view import table, tables
+from vllm_srun.tuner.samples import at_size
 
 SCOPE = Scope("test-host", "rev1", "onnxruntime")
 S = TunerSettings()

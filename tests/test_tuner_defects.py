@@ -252,9 +252,9 @@ def test_a_steady_reading_serves_one_count_per_range_the_one_fastest_under_it():
     """Contention was a state that started at 0.25 core held and ended at 0.5: a steady 0.35
     did both, window by window (40 starts and as many ends in 9 s); later two thresholds
     and a state (R4.13: contention was a mode of its own). Now each forward's count is the
-    one fastest under the cores read (``estimator.fastest_under``): a steady reading serves
+    one fastest under the cores read (``samples.fastest_under``): a steady reading serves
     each range one count all along, whichever the estimates make fastest under it."""
-    from vllm_srun.tuner.estimator import fastest_under
+    from vllm_srun.tuner.samples import fastest_under
 
     for held in (0.2, 0.35, 0.6):
         tuner, out = contention_run([(60.0, held)], 69.0)

@@ -2,8 +2,9 @@
 
 The engine asks ``served_threads`` right before each served forward and tells ``observe``
 right after it ends; the shadow loop (``shadow_loop.ShadowLoop``) calls ``step`` (the shadow
-side's part: ``shadow_steps.ShadowSteps``); a record watch
-calls ``poll_record``. Each call reads plain state and asks the parts that decide:
+side's part: ``shadow_steps.ShadowSteps``); a record watch calls ``poll_record`` (the
+record's side: ``record_steps.RecordSteps``). Each call reads plain state and asks the parts
+that decide:
 
 - ``ledger.ExactnessLedger``: the only gate on what is served (golden check, voucher,
   transition window, drift). Every shadow is compared bit for bit with the served answer;
@@ -22,8 +23,8 @@ calls ``poll_record``. Each call reads plain state and asks the parts that decid
   of served forward time, R4.5 amended), and mode 2's idle verification of shapes no
   voucher covers yet (``idle_verify.IdleVerifier``).
 - ``contention.FreeCores``: the cores other tasks leave the worker, an input to the estimate
-  (``estimator.load_factor``): served samples are scaled by it, and mode 2 serves a learned
-  range the count fastest under it (``estimator.fastest_under``).
+  (``samples.load_factor``): served samples are scaled by it, and mode 2 serves a learned
+  range the count fastest under it (``samples.fastest_under``).
 - ``tally.Tally``: what timed and checked what, for the report.
 
 Invariant: mode 1 serves every forward at the configured count; mode 2 serves another count
@@ -46,7 +47,6 @@ from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import FreeCores
 from vllm_srun.tuner.core_rules import grant
-from vllm_srun.tuner.estimator import fastest_under
 from vllm_srun.tuner.golden import Forward, warm_and_check
 from vllm_srun.tuner.idle_verify import IdleVerifier
 from vllm_srun.tuner.inflight import InFlight, Timed
@@ -55,6 +55,8 @@ from vllm_srun.tuner.ledger import ExactnessLedger, output_bits
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import RecordSync
 from vllm_srun.tuner.ranges import RangeLearning, wanted_count
+from vllm_srun.tuner.record_steps import RecordSteps
+from vllm_srun.tuner.samples import fastest_under
 from vllm_srun.tuner.scheduling import ShadowGate
 from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.shadow_loop import ShadowLoop
@@ -66,7 +68,8 @@ __all__ = ["AdaptiveThreads", "Forward", "RangeLearning", "TunerSettings", "outp
 
 log = logging.getLogger(__name__)
 
-class AdaptiveThreads(ShadowSteps):
+
+class AdaptiveThreads(RecordSteps, ShadowSteps):
     """The adaptive ThreadsPolicy of one worker (see the module docstring). ``forward`` runs
     on the served path (golden check, warm-up); ``shadow_forward`` on the idle lanes."""
 
@@ -109,45 +112,6 @@ class AdaptiveThreads(ShadowSteps):
 
     def now(self) -> float:
         return self.clock()
-
-    # -- the record ----------------------------------------------------------------------
-    def _load(self) -> None:
-        """Drift retirement and the voucher survive a restart; stored samples and learned
-        counts are history: a new worker learns from fresh samples (R4.11), starting from
-        what live siblings of its scope learned (R4.12, ``siblings``)."""
-        event, voucher = self.sync.read_back()
-        if event is not None:
-            self.ledger.retire(event)
-        self.ledger.voucher = voucher or self.ledger.voucher
-        self.learner.adopt(self.sync.siblings(self.counts, self.configured))
-
-    def flush_due(self) -> bool:
-        """Learnings wait to be written and ``flush_s`` has passed since the last flush."""
-        with self.lock:
-            return bool(self.sync.pending) and \
-                self.clock() - self.sync.last_flush >= self.settings.flush_s
-
-    def flush(self) -> None:
-        """Write pending samples, learned counts and traffic comparisons to the record."""
-        with self.lock:
-            taken = self.sync.take(self.clock())
-            learned = {lo: (r.learned, self.learner.speedup(r),
-                            self.ledger.progress(lo, r.learned), r.learned_from)
-                       for lo in taken.learned if (r := self.learner.ranges[lo]).learned}
-        self.sync.write(taken, learned, self.configured)
-
-    def poll_record(self) -> None:
-        """Read drift, the voucher and live siblings' counts back from the record (the watch
-        thread): a drift any worker of the scope recorded retires this one; a new sweep or a
-        reset shows here. Say this worker lives (``RecordSync.heartbeat``)."""
-        if self.sync.record is None or self.ledger.retired is not None:
-            return
-        self.sync.heartbeat(self.settings.flush_s)
-        event, voucher = self.sync.read_back()
-        siblings = self.sync.siblings(self.counts, self.configured)
-        with self.lock:
-            self.learner.read_back(event, voucher)
-            self.learner.adopt(siblings)
 
     def close(self) -> None:
         self.side.freezer.close()
@@ -251,7 +215,7 @@ class AdaptiveThreads(ShadowSteps):
     def _under_load(self, r: RangeLearning) -> int:
         """Mode 2, a range serving its learned count: the count of those the voucher covers
         at or below it that takes the least under the cores other tasks leave now
-        (``estimator.fastest_under`` over each count's estimate at one size when learned)."""
+        (``samples.fastest_under`` over each count's estimate at one size when learned)."""
         free = self.free_cores.at(self.clock())
         if free is None or free >= r.learned:
             return r.learned

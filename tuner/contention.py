@@ -3,15 +3,15 @@
 ``FreeCores`` turns the readings of ``free_cpu_s`` (``FreeCpus.latest``: the cumulative
 seconds this worker's cores were left to it, read by a thread of its own, so no file is opened
 on the served path) into the cores other tasks left it over the last whole window of
-``contention_free_window_s``. ``estimator.load_factor`` says what that does to a forward at a
+``contention_free_window_s``. ``samples.load_factor`` says what that does to a forward at a
 count; the tuner uses it twice, one way and back:
 
 - a served forward's time is divided by it before it becomes a sample (``Learner.served``,
   and the change detector's served times): the count's time with its cores free, which is
-  what a shadow's figure is too (``estimator.served_cost_ms``, its threads' waits taken out),
+  what a shadow's figure is too (``samples.served_cost_ms``, its threads' waits taken out),
   so samples from both sides and from any moment of a neighbour's come to one quantity;
 - mode 2 serves a learned range the count whose estimate, multiplied by it, is the lowest now
-  (``estimator.fastest_under``, over the counts the voucher covers below the learned one).
+  (``samples.fastest_under``, over the counts the voucher covers below the learned one).
 
 The reading is rounded: ``/proc`` counts CPU time in ticks of 10 ms, and a window of 0.1 s
 sums eight such counters on 2 CPUs (each CPU's idle and iowait time, the worker's and its
@@ -59,7 +59,7 @@ class FreeCores:
     def at(self, now: float) -> float | None:
         """The cores other tasks left this worker over the last whole window of at least
         ``window_s`` between two readings; None where they cannot be read, or before a whole
-        window (then nothing scales: ``estimator.load_factor``)."""
+        window (then nothing scales: ``samples.load_factor``)."""
         got = self.reading() if self.reading is not None else None
         if got is None or now - got[0] > STALE_WINDOWS * self.window_s:
             self._mark = self.window = None

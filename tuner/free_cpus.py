@@ -1,5 +1,5 @@
 """How much of its cores other tasks leave a worker, read from ``/proc`` (an input to the
-tuner's estimate, R4.13: ``contention.FreeCores``, ``estimator.load_factor``; and the cores
+tuner's estimate, R4.13: ``contention.FreeCores``, ``samples.load_factor``; and the cores
 the core ledger budgets by, R4.12).
 
 ``FreeCpus()`` returns cumulative seconds: the idle (and iowait) time of the CPUs in this

@@ -5,13 +5,13 @@ held; nothing here runs a forward or decides what is served (``ExactnessLedger.m
 
 Samples: a range exploring times each count on its served forwards (the shadow side frozen
 meanwhile, or none beside it) and on shadows, until the estimator chooses a count
-(``estimator.choose``: ``update``); mode 2 with a voucher serves the counts it lacks samples
-for in turn (vouched exploration), audited at the configured count. Once learned, every
-``audit_every``-th forward gets a probe shadow at another count, and forwards at a count
-whose time moved by ``relearn_factor`` from that same count's when learned relearn the range
-(``estimator.changed``: ``relearning.Relearning``, R4.11). A shadow that differs from the
-served answer retires learning for good (``drift``, R4.7). A new worker learns from fresh
-samples; drift and vouchers survive restarts.
+(``estimator.choose``: ``update``; which counts it times: ``exploring.Exploring``); mode 2 with
+a voucher serves the counts it lacks samples for in turn (vouched exploration), audited at the
+configured count. Once learned, every ``audit_every``-th forward gets a probe shadow at another
+count, and forwards at a count whose time moved by ``relearn_factor`` from that same count's
+when learned relearn the range (``estimator.changed``: ``relearning.Relearning``, R4.11). A
+shadow that differs from the served answer retires learning for good (``drift``, R4.7). A new
+worker learns from fresh samples; drift and vouchers survive restarts.
 """
 
 from __future__ import annotations
@@ -24,35 +24,23 @@ from vllm_srun.records.host_record import DriftEvent, Voucher
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.contention import FreeCores
-from vllm_srun.tuner.estimator import (
-    choose,
-    counts_to_sample,
-    load_factor,
-    out_of_reach,
-    served_cost_ms,
-    served_sample_ms,
-    size_exponent,
-    speedup,
-    typical,
-)
+from vllm_srun.tuner.estimator import choose, speedup, typical
+from vllm_srun.tuner.exploring import Exploring
 from vllm_srun.tuner.jobs import JobBoard
 from vllm_srun.tuner.ledger import ExactnessLedger, first_difference
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.persistence import RecordSync
-from vllm_srun.tuner.policy import explore_count, shadow_plan
-from vllm_srun.tuner.ranges import Phase, RangeLearning, learn, settle, sized
+from vllm_srun.tuner.policy import shadow_plan
+from vllm_srun.tuner.ranges import RangeLearning, learn, settle, sized
 from vllm_srun.tuner.relearning import Relearning
+from vllm_srun.tuner.samples import load_factor, served_cost_ms, served_sample_ms, size_exponent
 from vllm_srun.tuner.scheduling import ShadowJob
 from vllm_srun.tuner.settings import TunerSettings
 from vllm_srun.tuner.tally import Tally
 
 log = logging.getLogger(__name__)
 
-# why a range no longer times a count (``Learner.unreachable``; the report shows it)
-REFUSED, HELD = "the core ledger refused it", "other tasks held its cores"
-
-
-class Learner(Relearning):
+class Learner(Exploring, Relearning):
     def __init__(self, mode: AdaptiveMode, configured: int, counts: Sequence[int],
                  settings: TunerSettings, ledger: ExactnessLedger, sync: RecordSync,
                  free_cores: FreeCores, tally: Tally, worker: str) -> None:
@@ -64,74 +52,6 @@ class Learner(Relearning):
         self.ranges: dict[int, RangeLearning] = {}
         self.now = 0.0  # the last served forward's start seen exploring (``explore_served``)
         self.board = JobBoard(settings, ledger, self.ranges, self.need)
-
-    # -- what a range needs ----------------------------------------------------------------
-    def need(self, r: RangeLearning) -> list[int]:
-        """Counts an exploring range still needs samples of (``explored``): ``min_samples``
-        of each, then more of those the rule is unsure of (``estimator.counts_to_sample``),
-        judged by the samples ``update`` decides on (``ranges.sized``): a count ruled out by its
-        times in ms but not at one size would be neither timed nor decided without, and
-        the range would explore for good."""
-        s = self.settings.learning
-        return counts_to_sample(sized(r), self.explored(r), self.configured,
-                                s.min_samples, s.max_samples, s.margin)
-
-    def explored(self, r: RangeLearning) -> tuple[int, ...]:
-        """The counts a range times: a sibling's candidate and the configured count, or all;
-        less those the host's core ledger keeps out of its reach (``estimator.out_of_reach``)."""
-        counts = self.counts if r.candidate is None else (self.configured, r.candidate)
-        out = self.unreachable(r)
-        kept = tuple(n for n in counts if n not in out)
-        # a sibling's pair all out: every count (the smallest is never out of reach)
-        return kept or tuple(n for n in self.counts if n not in out)
-
-    def unreachable(self, r: RangeLearning) -> dict[int, str]:
-        """Count -> why range ``r`` no longer times it (``estimator.out_of_reach``): the core
-        ledger refused it, or other tasks held its cores for ``held_out_s`` on end."""
-        if not r.refused and not r.held:
-            return {}
-        long = self.settings.learning.held_out_s
-        held_out = [n for n, t in r.held.items() if self.now - t >= long]
-        held = out_of_reach({}, r.samples, self.counts, self.configured, held_out)
-        refused = out_of_reach(r.refused, r.samples, self.counts, self.configured)
-        return {**dict.fromkeys(held, HELD), **dict.fromkeys(refused, REFUSED)}
-
-    def adopt(self, candidates: dict[int, int]) -> None:
-        """R4.12: range -> a count a live sibling of the scope learned there. A range that has
-        not started relearning, nor rejected that count, times it against the configured
-        count instead of exploring every count; the ledger still gates what it serves."""
-        for lo, n in candidates.items():
-            r = self.ranges.setdefault(lo, RangeLearning())
-            if r.phase is Phase.EXPLORING and r.candidate is None and n not in r.rejected:
-                r.candidate = n
-                log.info("threads_sibling_candidate range=%d-%d num_threads=%d", lo,
-                         2 * lo - 1, n)
-                self.update(lo, r)  # samples it took already may decide it
-
-    def explore_served(self, lo: int, r: RangeLearning, serving: int, now: float) -> int:
-        """Mode 2, vouched: an exploring range times each count on served forwards, the one
-        it lacks samples of most first (``policy.explore_count``). A count whose forward would
-        now take twice its time or more (``estimator.load_factor``: other tasks want a core
-        of it) waits: it would give no sample (``served``) and cost the forward that much."""
-        if r.candidate is not None:  # a sibling's count serves after its window only
-            return serving
-        if not r.explore_served:
-            r.explore_served = True
-            log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
-        free = self.free_cores.at(now)
-        self.now = now
-        need = []
-        for k in self.need(r):
-            if served_sample_ms(1.0, load_factor(k, free)) is None:
-                r.held.setdefault(k, now)
-            else:
-                r.held.pop(k, None)
-                need.append(k)
-        if not need and r.held:
-            self.update(lo, r)  # a count held out of reach may leave the rule sure
-            need = [k for k in self.need(r) if k not in r.held]
-        return explore_count(r.samples, self.counts, serving, need,
-                             lambda n: self.ledger.voucher.covers_counts(n, self.configured))
 
     # -- the record read back, a served forward ended ----------------------------------------
     def read_back(self, event: DriftEvent | None, voucher: Voucher | None) -> None:
@@ -153,7 +73,7 @@ class Learner(Relearning):
         """A served forward ended while learning: a learned range watches its time
         (``watch_served``); an exploring one takes it as a ``sample`` where no shadow ran
         beside it. Either way its time is divided by the load factor of the cores other tasks
-        left it (``estimator.served_sample_ms``): the count's time with its cores free; none
+        left it (``samples.served_sample_ms``): the count's time with its cores free; none
         where half or more of it was other tasks'. An exploring range whose ``chosen`` count
         ran at fewer threads (the host's core ledger refused it) counts the refusal
         (``estimator.out_of_reach``). Returns whether the batch became its range's due
@@ -216,7 +136,7 @@ class Learner(Relearning):
                      overlapped_at: float | None = None) -> None:
         """A shadow ended at ``now``: the ledger compares it with the served answer (a
         difference is drift); a clean one is a sample (what it would cost a served forward:
-        ``estimator.served_cost_ms``); the range's state moves on."""
+        ``samples.served_cost_ms``); the range's state moves on."""
         if not self.ledger.learning:
             return
         if (at := first_difference(job.outputs, result.outputs)) is not None:

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 
 from vllm_srun.runtime.sizes import size_range
-from vllm_srun.tuner.estimator import at_size
+from vllm_srun.tuner.samples import at_size
 
 
 class RangeState(enum.StrEnum):
@@ -54,7 +54,7 @@ class RangeLearning:
     phase: Phase = Phase.EXPLORING
     samples: dict[int, list[float]] = field(default_factory=dict)  # count -> forward ms
     tokens: dict[int, list[int]] = field(default_factory=dict)  # count -> padded tokens
-    # of each sample; the size exponent the range was learned with (``estimator.at_size``)
+    # of each sample; the size exponent the range was learned with (``samples.at_size``)
     exponent: float = 1.0
     learned: int | None = None
     relearns: int = 0
@@ -98,7 +98,7 @@ class RangeLearning:
 
 
 def sized(r: RangeLearning) -> dict[int, list[float]]:
-    """Range ``r``'s samples as forwards of its smallest size (``estimator.at_size``: its
+    """Range ``r``'s samples as forwards of its smallest size (``samples.at_size``: its
     sizes differ up to 2x, and its forwards' times with them): what its counts are
     compared by."""
     some = next((v[0] for v in r.tokens.values() if v), 1)

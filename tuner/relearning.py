@@ -22,7 +22,7 @@ class Relearning:
         that serves below the learned one meanwhile, nor the learned count where it
         serves above the smallest where the free cores are read (``followed``; where
         they are not, a neighbour shows only here): other tasks that take its cores are
-        followed by serving a count below it (``estimator.fastest_under``), and a
+        followed by serving a count below it (``samples.fastest_under``), and a
         lasting change by the probe shadows (idle class, their threads' waits taken
         out), so a neighbour the load factor reads short of its real cost relearns
         nothing (whether the scaled served times could watch it too is not measured).
@@ -37,7 +37,7 @@ class Relearning:
     @staticmethod
     def at_lo(lo: int, r: RangeLearning, ms: float, tokens: int) -> float:
         """One forward's time as a forward of ``lo`` padded tokens, by the size exponent
-        its range was learned with (``estimator.at_size``): like against like."""
+        its range was learned with (``samples.at_size``): like against like."""
         return ms * (lo / tokens) ** r.exponent
 
     def watch(self, lo: int, r: RangeLearning, key: tuple[int, str], sized_ms: float,

@@ -97,7 +97,7 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "served_forwards_that_froze_a_shadow": t.tally.frozen_beside,
                            "served_forwards_timed": t.tally.served_samples,
                            # ... of them divided by a load factor over 1: other tasks held
-                           # cores they needed (``estimator.load_factor``)
+                           # cores they needed (``samples.load_factor``)
                            "served_forwards_timed_scaled_for_held_cores": t.tally.samples_scaled,
                            "served_forwards_not_timed_cores_held": t.tally.samples_cores_held,
                            "forwards_served_to_time_a_count": t.tally.explored,

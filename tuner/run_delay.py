@@ -10,7 +10,7 @@ onnxruntime pool thread spins for a while after its run, runnable all along), to
 teams of other lanes, the pipe's thread. On a busy host they wait as much as the forward's
 threads, and summed with them the delay exceeded the forward's wall time (measured here with
 ``bench/shadow_vs_served.py`` at load 5 on 2 vCPUs: a 1-thread 1x16 forward of 4.9 ms "waited"
-31.5 ms): every shadow then read as preempted, and ``estimator.served_cost_ms`` made the rest
+31.5 ms): every shadow then read as preempted, and ``samples.served_cost_ms`` made the rest
 cost nothing. The forward's threads are the ``n`` that ran longest during it; each one's wait
 counts up to the forward's wall time.
 """

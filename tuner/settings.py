@@ -45,7 +45,7 @@ class Learning:
     # samples up to it, then the medians decide (``estimator.choose``)
     max_samples: int = 48
     # mode 2 exploring on served forwards: a count the cores other tasks hold kept from
-    # being tried (``estimator.load_factor`` 2 or more) for this long is out of the range's
+    # being tried (``samples.load_factor`` 2 or more) for this long is out of the range's
     # reach, with every count above it (``estimator.out_of_reach``)
     held_out_s: float = 20.0
 

@@ -54,14 +54,7 @@ from vllm_srun.tuner.adaptive import TunerSettings
 from vllm_srun.tuner.core_rules import fair_share, grant, room
 from vllm_srun.tuner.modes import allowed_counts
 from vllm_srun.tuner.sim_calibration import REFERENCE, TimeModel, calibrated
-from vllm_srun.tuner.sim_host import (
-    Arrival,
-    CoresHook,
-    Neighbour,
-    Noise,
-    Outcome,
-    SimulatedHost,
-)
+from vllm_srun.tuner.sim_host import Arrival, CoresHook, Neighbour, Noise, Outcome, SimulatedHost
 from vllm_srun.tuner.sim_model import ConfigFit
 
 __all__ = ["Arrival", "ConfigFit", "Neighbour", "Noise", "Outcome", "SimulatedHost",

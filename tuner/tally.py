@@ -18,11 +18,11 @@ class Tally:
     served_samples: int = 0  # samples taken from served forwards
     explored: int = 0  # mode 2: forwards served at a vouched count to time it
     contended: int = 0  # mode 2: forwards served below the learned count: other tasks held
-    # cores it needs (``estimator.fastest_under``)
+    # cores it needs (``samples.fastest_under``)
     samples_scaled: int = 0  # served samples divided by a load factor over 1: other tasks
-    # held cores they needed (``estimator.load_factor``)
+    # held cores they needed (``samples.load_factor``)
     samples_cores_held: int = 0  # served samples not kept: half their time or more was
-    # other tasks' (``estimator.served_sample_ms``)
+    # other tasks' (``samples.served_sample_ms``)
     beside: int = 0  # forwards served below the count wanted: the worker's other forwards
     # running at once held the cores (``AdaptiveThreads._beside_others``)
     not_solo: int = 0  # served forwards another served forward ran beside: no sample,
