@@ -162,6 +162,74 @@ def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_dec
     assert out_of_reach({1: 13}, samples, counts, 8) == {2, 4, 16}
 
 
+
+class _FreeSeconds:
+    """A free-CPU reading (``FreeCpus``: when, cumulative free core-seconds) whose rate the
+    test sets: ``rate`` cores left to the worker from each call of ``set`` on."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.rate, self.at_s, self.total = clock, 2.0, 0.0, 0.0
+
+    def set(self, rate: float) -> None:
+        self.total += self.rate * (self.clock[0] - self.at_s)
+        self.rate, self.at_s = rate, self.clock[0]
+
+    def __call__(self) -> tuple[float, float]:
+        return self.clock[0], self.total + self.rate * (self.clock[0] - self.at_s)
+
+
+def test_a_count_is_out_of_reach_only_once_its_own_range_saw_it_held_that_long():
+    """Mode 2 (R4.13): a count other tasks keep from being tried for ``held_out_s`` leaves an
+    exploring range's reach, judged on what that range's own forwards read. A range that
+    read the count's cores held once and then served nothing for longer (other ranges, or
+    no traffic: a bench measuring other servers between rounds) had the count out of reach
+    at its next forward whatever the cores were then, and with the other count timed it
+    learned that one with no sample of this one (likely what left 8-15 padded tokens at 1
+    thread, 2 threads "held" and never tried, in the bench beside a neighbour on one of 2
+    cores half the time, where mode 2 serves nothing while the other servers are measured).
+    A free reading brings a held-out count back; held at every reading for ``held_out_s``
+    it is out, as before."""
+    clock = [0.0]
+    reading = _FreeSeconds(clock)
+    settings = TunerSettings.of(background=False)  # held_out_s 20
+    mode = AdaptiveMode.SERVE
+    learner = Learner(mode, 1, (1, 2), settings, ExactnessLedger(mode, 1, 8),
+                      RecordSync(None, Scope("test-host", "rev1", "onnxruntime"),
+                                 lambda: clock[0]),
+                      FreeCores(reading, 0.1), Tally(), "w")
+
+    def forward_at(t: float, free: float, r: RangeLearning) -> int:
+        clock[0] = t - 0.15
+        reading.set(free)
+        learner.free_cores.at(clock[0])  # the window's start: a reading 0.15 s before
+        clock[0] = t
+        return learner.explore_served(8, r, 1, t)
+
+    def fresh() -> RangeLearning:
+        r = learner.ranges[8] = RangeLearning()
+        for _ in range(12):
+            learner.sample(8, r, 1, 5.0, 12)  # 1 thread timed; 2 threads not yet
+        return r
+
+    r = fresh()
+    assert forward_at(1.0, 1.0, r) == 1  # a neighbour holds a core: 2 threads would be 2x
+    assert forward_at(40.0, 2.0, r) == 2  # 39 s later, the cores free: 2 threads is tried
+    assert r.learned is None and learner.unreachable(r) == {}
+    r = fresh()
+    forward_at(101.0, 1.0, r)
+    assert forward_at(140.0, 1.0, r) == 1  # held at both ends, nothing free read between
+    assert learner.unreachable(r) == {2: "other tasks held its cores"} and r.learned == 1
+    r = fresh()
+    for t in (201.0, 206.0, 211.0):
+        forward_at(t, 1.0, r)
+    assert forward_at(215.0, 2.0, r) == 2  # free once: the wait starts again
+    for t in (216.0, 226.0, 235.0):
+        assert forward_at(t, 1.0, r) == 1
+    assert learner.unreachable(r) == {} and r.learned is None  # held 19 s on end, not 20
+    forward_at(236.5, 1.0, r)
+    assert learner.unreachable(r) == {2: "other tasks held its cores"} and r.learned == 1
+
+
 def test_exploring_goes_outward_from_the_served_count():
     """Mode 2 explores the counts next to the one it serves before those further out, so the
     rule above can spare them."""

@@ -2,7 +2,7 @@
 is): those it still needs samples of by the estimator's rule, less those the host's cores keep
 out of its reach (a live sibling's count first, R4.12), and in mode 2 with a voucher the count
 a served forward explores at. A mixin: it reads the learner's ``ranges``, ``counts``,
-``configured``, ``settings``, ``ledger``, ``free_cores`` and ``now``, and calls its ``update``.
+``configured``, ``settings``, ``ledger`` and ``free_cores``, and calls its ``update``.
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ class Exploring:
 
     def unreachable(self, r: RangeLearning) -> dict[int, str]:
         """Count -> why range ``r`` no longer times it (``estimator.out_of_reach``): the core
-        ledger refused it, or other tasks held its cores for ``held_out_s`` on end."""
+        ledger refused it, or other tasks held its cores for ``held_out_s`` on end, as this
+        range's forwards read them (``explore_served``)."""
         if not r.refused and not r.held:
             return {}
         long = self.settings.learning.held_out_s
-        held_out = [n for n, t in r.held.items() if self.now - t >= long]
+        held_out = [n for n, (first, last) in r.held.items() if last - first >= long]
         held = out_of_reach({}, r.samples, self.counts, self.configured, held_out)
         refused = out_of_reach(r.refused, r.samples, self.counts, self.configured)
         return {**dict.fromkeys(held, HELD), **dict.fromkeys(refused, REFUSED)}
@@ -67,21 +68,23 @@ class Exploring:
         """Mode 2, vouched: an exploring range times each count on served forwards, the one
         it lacks samples of most first (``policy.explore_count``). A count whose forward would
         now take twice its time or more (``samples.load_factor``: other tasks want a core
-        of it) waits: it would give no sample (``served``) and cost the forward that much."""
+        of it) waits: it would give no sample (``served``) and cost the forward that much.
+        Such a count is out of the range's reach once this range's own forwards found it held
+        for ``held_out_s`` with none between that found its cores left (``unreachable``),
+        and back in it at the next that does: the time since one such forward, with no
+        forward of the range in it, says nothing of the cores."""
         if r.candidate is not None:  # a sibling's count serves after its window only
             return serving
         if not r.explore_served:
             r.explore_served = True
             log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
         free = self.free_cores.at(now)
-        self.now = now
-        need = []
-        for k in self.need(r):
+        for k in {*self.need(r), *r.held}:  # those held out of reach too: they come back
             if served_sample_ms(1.0, load_factor(k, free)) is None:
-                r.held.setdefault(k, now)
+                r.held[k] = (r.held.get(k, (now, now))[0], now)
             else:
                 r.held.pop(k, None)
-                need.append(k)
+        need = [k for k in self.need(r) if k not in r.held]
         if not need and r.held:
             self.update(lo, r)  # a count held out of reach may leave the rule sure
             need = [k for k in self.need(r) if k not in r.held]

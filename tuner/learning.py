@@ -50,7 +50,6 @@ class Learner(Exploring, Relearning):
         self.tally = tally  # it counts the served samples it took, or could not
         self.worker = worker  # named in the drift it records
         self.ranges: dict[int, RangeLearning] = {}
-        self.now = 0.0  # the last served forward's start seen exploring (``explore_served``)
         self.board = JobBoard(settings, ledger, self.ranges, self.need)
 
     # -- the record read back, a served forward ended ----------------------------------------

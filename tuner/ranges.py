@@ -73,8 +73,9 @@ class RangeLearning:
     # R4.12: count -> forwards this range explored it on that the host's core ledger served
     # below it (``estimator.out_of_reach``)
     refused: dict[int, int] = field(default_factory=dict)
-    # count -> since when other tasks' load has kept it from being tried (mode 2)
-    held: dict[int, float] = field(default_factory=dict)
+    # count -> the first and the latest of this range's forwards that found other tasks'
+    # load keeping it from being tried, with none between that found its cores left (mode 2)
+    held: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def learned_from(self) -> str | None:
