@@ -224,6 +224,12 @@ class Engine:
             self._cond.notify()
         return future
 
+    def behind(self) -> bool:
+        """More rows wait than one forward may take (``max_num_seqs``): the engine is falling
+        behind its arrivals. Read without the lock from a forward's thread (a length read
+        once; a policy asks it as a forward starts, after that forward's rows were taken)."""
+        return len(self._pending) >= self.args.max_num_seqs
+
     def forward(self, rows: list[list[int]], num_threads: int) -> ForwardResult:
         """One direct forward at ``num_threads`` (warm-up, golden checks)."""
         return self.forward_batch(pad(rows), num_threads)

@@ -102,6 +102,9 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
                                self.free_cores, self.tally, worker or f"pid {os.getpid()}")
         # what runs now; ``cores``: the budget its served forwards share (several at once)
         self.flight = InFlight(cores=cores or max(self.counts))
+        # is the engine behind its arrivals (``Engine.behind``; set by the worker that wires
+        # the two): mode 2 then does not explore on served forwards
+        self.behind: Callable[[], bool] = lambda: False
         self.gate = ShadowGate(s, configured, max(self.counts), now)
         shadow_forward = shadow_forward or forward
         # a shadow the learning share pays for: the shadow side at normal priority
@@ -174,7 +177,7 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
                 contention = "fallback" if n != r.learned else None
             exploring = learning and r is not None and r.exploring
             if exploring and self.mode is AdaptiveMode.SERVE and self.ledger.voucher.vouches:
-                n = learner.explore_served(lo, r, n, self.clock())
+                n = learner.explore_served(lo, r, n, self.clock(), self.behind())
             # vouched exploration and a contention fallback need the voucher, not a window
             verdict = self.ledger.may_serve(lo, n, batch.rows, int(batch.input_ids.shape[1]),
                                             explore=n != wanted)

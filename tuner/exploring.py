@@ -2,7 +2,8 @@
 is): those it still needs samples of by the estimator's rule, less those the host's cores keep
 out of its reach (a live sibling's count first, R4.12), and in mode 2 with a voucher the count
 a served forward explores at. A mixin: it reads the learner's ``ranges``, ``counts``,
-``configured``, ``settings``, ``ledger`` and ``free_cores``, and calls its ``update``.
+``configured``, ``settings``, ``ledger``, ``free_cores`` and ``tally``, and calls its
+``update``.
 """
 
 from __future__ import annotations
@@ -64,9 +65,16 @@ class Exploring:
                          2 * lo - 1, n)
                 self.update(lo, r)  # samples it took already may decide it
 
-    def explore_served(self, lo: int, r: RangeLearning, serving: int, now: float) -> int:
+    def explore_served(self, lo: int, r: RangeLearning, serving: int, now: float,
+                       behind: bool = False) -> int:
         """Mode 2, vouched: an exploring range times each count on served forwards, the one
-        it lacks samples of most first (``policy.explore_count``). A count whose forward would
+        it lacks samples of most first (``policy.explore_count``), unless the engine is
+        ``behind`` (more rows wait than one forward takes): the forward then serves the count
+        fastest so far. A count slower than the best delays every row waiting, not only its
+        own, and a worker behind forms larger batches, of size ranges not reached before,
+        each exploring in turn: beside a neighbour that took half of 16 cores, a simulated
+        worker timed 1,500 padded tokens at 1 thread (0.8 s) and stayed behind to the end
+        of the run (``bench/tuner_sweep.py``, 16 cores, seed 31). A count whose forward would
         now take twice its time or more (``samples.load_factor``: other tasks want a core
         of it) waits: it would give no sample (``served``) and cost the forward that much.
         Such a count is out of the range's reach once this range's own forwards found it held
@@ -75,6 +83,13 @@ class Exploring:
         forward of the range in it, says nothing of the cores."""
         if r.candidate is not None:  # a sibling's count serves after its window only
             return serving
+
+        def vouched(n: int) -> bool:
+            return self.ledger.voucher.covers_counts(n, self.configured)
+
+        if behind:
+            self.tally.behind += 1
+            return explore_count(r.samples, self.counts, serving, (), vouched)
         if not r.explore_served:
             r.explore_served = True
             log.info("threads_explore_served range=%d-%d", lo, 2 * lo - 1)
@@ -88,5 +103,4 @@ class Exploring:
         if not need and r.held:
             self.update(lo, r)  # a count held out of reach may leave the rule sure
             need = [k for k in self.need(r) if k not in r.held]
-        return explore_count(r.samples, self.counts, serving, need,
-                             lambda n: self.ledger.voucher.covers_counts(n, self.configured))
+        return explore_count(r.samples, self.counts, serving, need, vouched)

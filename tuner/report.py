@@ -107,6 +107,9 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            # samples)
                            "forwards_served_lower_beside_other_forwards": t.tally.beside,
                            "served_forwards_not_timed_beside_another": t.tally.not_solo,
+                           # mode 2: not explored on, more rows waited than one forward
+                           # takes (``Engine.behind``)
+                           "forwards_not_explored_engine_behind": t.tally.behind,
                            # the cores other tasks left this worker over the last window
                            # read (None: not read)
                            "free_cores_now": round(window[0], 2) if window else None,

@@ -122,6 +122,8 @@ class SimulatedHost:
             worker=f"sim {w}", pause_shadows=lambda f: holder[0].pause(f),
             free_cpu_s=(lambda: (self.clock.now_s, self.clock.free_s[w])) if free_cpus
             else None)
+        # the engine's ``behind``: more rows wait than one forward takes
+        tuner.behind = lambda: len(self._workers[w].queue) >= self.max_rows
         holder.append(ShadowLane(self, w, tuner))
         if (why := tuner.startup([[101, 2000, 102], [101, 2001, 2002, 102]])) is not None:
             raise RuntimeError(f"simulated worker {w}: {why}")

@@ -27,6 +27,8 @@ class Tally:
     # running at once held the cores (``AdaptiveThreads._beside_others``)
     not_solo: int = 0  # served forwards another served forward ran beside: no sample,
     # nothing the change detector watches
+    behind: int = 0  # mode 2: forwards of an exploring range served at the fastest count
+    # so far, not explored on: more rows waited than one forward takes (``Engine.behind``)
 
     def served(self, verdict: Verdict, contention: str | None, other: bool) -> None:
         """Why a served forward runs where it does: the ledger's ``verdict`` on the count

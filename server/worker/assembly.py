@@ -162,6 +162,7 @@ class Worker:
                                         else "") + f"pid {os.getpid()}")
         tuner.sync.error = tuner.sync.error or error
         runner.engine.threads = tuner
+        tuner.behind = runner.engine.behind
         if spec.mode is AdaptiveMode.SERVE:  # shapes no sweep covers: on the length grid
             runner.pad_to_grid(tuner.runs_exactly)
         self.tuner = tuner
