@@ -49,10 +49,15 @@ class HeldFirst:
 def test_a_mode_2_worker_does_not_explore_while_more_rows_wait_than_a_forward_takes(
         tmp_path: Path):
     held: list[HeldFirst] = []
+
+    def hold(backend) -> HeldFirst:
+        held.append(HeldFirst(backend, 15))
+        return held[-1]
+
     spec = WorkerSpec(L6, "onnxruntime", EngineArgs(num_threads=1, cache_entries=0), budget=2,
                       mode=AdaptiveMode.SERVE, record_path=str(tmp_path / "r.sqlite"),
                       settings=FAST, calibrate=False)
-    made = Worker(spec, wrap_backend=lambda b: held.append(HeldFirst(b, 15)) or held[0])
+    made = Worker(spec, wrap_backend=hold)
     runner = made.load()
     try:
         assert runner.ready, runner.not_ready_reason

@@ -162,7 +162,6 @@ def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_dec
     assert out_of_reach({1: 13}, samples, counts, 8) == {2, 4, 16}
 
 
-
 class _FreeSeconds:
     """A free-CPU reading (``FreeCpus``: when, cumulative free core-seconds) whose rate the
     test sets: ``rate`` cores left to the worker from each call of ``set`` on."""
