@@ -110,6 +110,36 @@ def words(n: int) -> str:
     return " ".join(["hello"] * n)
 
 
+class _ServerTransport(httpx.HTTPTransport):
+    """What a test's client meets when the connection fails under it: if the server process
+    has gone, an error with its exit status and the end of what it wrote to stderr (a bare
+    "connection reset" says nothing of why); if it lives, a GET is sent once more on a fresh
+    connection, as RFC 9112 (9.3.1) lets a client do with an idempotent request when a kept-
+    alive connection closes as it is reused. Anything else is raised as it came."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        super().__init__()
+        self.proc = proc
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return super().handle_request(request)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError) as exc:
+            try:
+                code = self.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                if request.method != "GET":
+                    raise
+                return super().handle_request(request)
+            tail = self.proc.stderr.read()[-4000:] if self.proc.stderr else ""
+            raise ServerExited(f"{request.method} {request.url.path}: {exc!r}; the server "
+                               f"exited with {code}; its stderr ends:\n{tail}") from exc
+
+
+class ServerExited(httpx.TransportError):
+    """The server process ended under a request (a transport error, as the reset it was)."""
+
+
 class Server:
     """A real ``vllm-srun serve`` process on a free port."""
 
@@ -132,7 +162,8 @@ class Server:
             self.proc.kill()
             raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read()}")
         self.url = line.strip().rsplit(" ", 1)[-1]
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.client = httpx.Client(base_url=self.url, timeout=60,
+                                   transport=_ServerTransport(self.proc))
 
     def wait_ready(self, timeout_s: float = 120) -> Server:
         end = time.monotonic() + timeout_s
