@@ -101,7 +101,7 @@ class Learner(Exploring, Relearning):
         return bool(counts)
 
     def shadow_counts(self, lo: int, served: int, contention: str | None,
-                      batch: TokenBatch | None = None) -> list[int]:
+                      batch: TokenBatch) -> list[int]:
         """The counts to run as shadows of range ``lo``'s batch just served at ``served``
         (``policy.shadow_plan``, then mode 2's checks of what it served). A count the
         range's own served forwards of this shape time (``times_served``) is not timed by
@@ -117,26 +117,24 @@ class Learner(Exploring, Relearning):
         if r.serving and contention is None and served == self.configured \
                 and r.learned not in counts and r.learned != self.configured:
             counts = [r.learned, *counts]  # a shape no voucher covers yet: verify it
-        if r.learned is None and served != self.configured and not r.explore_served:
+        if r.learned is None and served != self.configured:
             # served at another count while exploring: audit its answer at the configured
-            counts = [self.configured] + [n for n in counts if n != self.configured]
-        elif r.learned is None and served != self.configured:
-            # ... where served forwards are the samples, only that, while it fills the
+            # one; where served forwards are the samples, only that, while it fills the
             # count's window, then on every ``audit_every``-th forward explored on (as many
             # as a learned range's forwards get)
+            if not r.explore_served:
+                return [self.configured] + [n for n in counts if n != self.configured]
             audit = self.ledger.toward_window(lo, served, self.configured, None) or not \
                 self.tally.explored % self.settings.learning.audit_every
-            counts = [self.configured] if audit else []
+            return [self.configured] if audit else []
         return counts
 
-    def times_served(self, r: RangeLearning, n: int, batch: TokenBatch | None) -> bool:
+    def times_served(self, r: RangeLearning, n: int, batch: TokenBatch) -> bool:
         """Whether range ``r``'s own served forwards of ``batch``'s shape may time count
         ``n`` (mode 2, vouched exploration: ``explore_served``; the voucher covers the
         shape at ``n``), so that a shadow need not."""
-        if not r.explore_served or batch is None:
-            return False
-        return n == self.configured or self.ledger.voucher.covers(
-            batch.rows, int(batch.input_ids.shape[1]), n, self.configured)
+        return r.explore_served and (n == self.configured or self.ledger.voucher.covers(
+            batch.rows, int(batch.input_ids.shape[1]), n, self.configured))
 
     def put(self, lo: int, batch: TokenBatch, result: ForwardResult, counts: list[int],
             now: float) -> None:
