@@ -29,6 +29,7 @@ from vllm_srun.runtime.runner import Runner
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import EngineArgs
 from vllm_srun.tuner.adaptive import AdaptiveThreads, TunerSettings, output_bits
+from vllm_srun.tuner.estimator import EARLY, losing_counts
 from vllm_srun.tuner.free_cpus import FreeCpus
 from vllm_srun.tuner.golden import golden_rows
 from vllm_srun.tuner.modes import AdaptiveMode
@@ -511,7 +512,12 @@ def test_back_to_back_load_holds_timing_shadows_for_the_quiet_and_learns_in_it(t
     assert overlapped <= 6  # measured 1-2 (each forward froze a shadow's wait before)
     # a freeze only while a shadow runs: measured 6-31 (every one of them froze before)
     assert froze < forwards // 2
-    assert len(tuner.learner.ranges[lo].samples[2]) >= 6
+    # 2 threads timed once the client stopped: its samples, or the first EARLY where they all
+    # ran slower than 1 thread (the host's 2 threads no faster at 120 tokens: once in CI-like
+    # runs here, [26.8, 21.9, 20.2] ms)
+    samples = tuner.learner.ranges[lo].samples
+    assert len(samples[2]) >= 6 or (len(samples[2]) >= EARLY
+                                    and 2 in losing_counts(samples, (1, 2))), samples
 
 
 def test_a_shadow_cut_into_by_load_is_frozen_once_not_at_every_gap(tmp_path):
