@@ -61,21 +61,28 @@ def _summary(r) -> dict:
             "success": 1 - r.errors / r.requests if r.requests else float("nan")}
 
 
-def hung_case(work: Path, duration_s: float, clients: int = 6) -> dict:
+def hung_case(work: Path, duration_s: float, clients: int = 6, quick: bool = False) -> dict:
+    """quick: both cases on one server, the healthy one first (one start fewer)."""
     corpus = make_texts(20_000, seed=5)
     out = {}
-    for name, fault in (("3 healthy", None), ("3, one hung", "hang")):
-        proc = _start(work, 3)
-        try:
-            run_load(proc.url, make_texts(64, seed=98), 3, 1.0, MODEL)  # warm
+    proc = None
+    try:
+        for name, fault in (("3 healthy", None), ("3, one hung", "hang")):
+            if proc is None:
+                proc = _start(work, 3)
+                run_load(proc.url, make_texts(64, seed=98), 3, 1.0, MODEL)  # warm
             if fault:
                 (work / "faults" / "primary-1").write_text(fault)
             out[name] = _summary(run_load(proc.url, corpus, clients, duration_s, MODEL))
             inv = httpx.get(proc.url + "/v1/inventory", timeout=10).json()
             out[name]["states"] = {r["id"]: r["state"]
                                    for r in inv["deployments"][0]["replicas"]}
-        finally:
-            (work / "faults" / "primary-1").unlink(missing_ok=True)
+            if not quick:
+                proc.stop()
+                proc = None
+    finally:
+        (work / "faults" / "primary-1").unlink(missing_ok=True)
+        if proc is not None:
             proc.stop()
     return out
 
@@ -169,7 +176,8 @@ def run_all(quick: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-pool-"))
     (work / "faults").mkdir()
     duration = 1.5 if quick else 15.0
-    return {"hung": hung_case(work, duration), "dispatch": dispatch_case(work, duration),
+    return {"hung": hung_case(work, duration, quick=quick),
+            "dispatch": dispatch_case(work, duration),
             "overload": overload_case(work), "memory": [] if quick else memory_case(work)}
 
 

@@ -1,6 +1,7 @@
 """The whole comparison in one run: ``python -m bench.run [--quick] [--out DIR]``.
 
-``--quick`` (CI-sized): shorter loads and pool cases, and of the servers only those the
+``--quick`` (CI-sized): shorter loads, warm-ups and round trips (30), the pool cases shorter
+(the hung replica and its healthy baseline on one server), and of the servers only those the
 report's ratios and oracle need (no unbatched server, no mode 1).
 
 Every server is started here, one at a time on the same machine, and driven by the same load
@@ -243,7 +244,7 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results, qui
             results[name] = {"error": str(exc)}
             continue
         try:
-            run_load(proc.url, make_texts(64, seed=99), 4, 1.0, MODEL)  # warm
+            run_load(proc.url, make_texts(64, seed=99), 4, 0.5 if quick else 1.0, MODEL)  # warm
             per_level = {}
             for i, clients in enumerate(levels):
                 part = corpus[i * 4000:(i + 1) * 4000]
@@ -253,7 +254,7 @@ def _drive(levels, duration_s, infinity, record, neighbour, corpus, results, qui
                                       "errors": r.errors}
                 if clients == 1:
                     per_level["by_range_1_client"] = by_range(part, r.samples)
-            per_level.update(round_trips(proc.url, 100 if duration_s < 5 else 1000))
+            per_level.update(round_trips(proc.url, 30 if quick else 1000))
             if "adaptive" in name:
                 threads = httpx.get(proc.url + "/v1/threads", timeout=10).json()
                 per_level["threads"] = threads["reports"][0]["ranges"]
