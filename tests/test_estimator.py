@@ -140,15 +140,18 @@ def test_counts_past_a_slower_one_are_not_timed_and_the_rest_decide():
 
 def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_decide():
     """R4.12: a count the host's core ledger served below more often than it was timed is
-    no longer timed, nor any count above it, never the configured one; the rule then
-    decides among the rest (16 refused on every try kept a range exploring for good)."""
+    no longer timed, nor any count above it, the configured one too (never the fewest
+    threads); the rule then decides among the rest, or keeps the configured count where it
+    is out of reach (16 refused on every try kept a range exploring for good)."""
     counts = (1, 2, 4, 8, 16)
     samples = {1: [20.0] * 12, 2: [11.0] * 12, 4: [6.0] * 12, 8: [5.0] * 12, 16: [4.0] * 2}
     assert out_of_reach({}, samples, counts, 8) == set()
     assert out_of_reach({16: 2}, samples, counts, 8) == set()  # refused as often as timed
     assert out_of_reach({16: 3}, samples, counts, 8) == {16}
     assert out_of_reach({8: 13, 16: 1}, samples, counts, 4) == {8, 16}  # and all above
-    assert out_of_reach({8: 13}, samples, counts, 8) == {16}  # never the configured count
+    assert out_of_reach({8: 13}, samples, counts, 8) == {8, 16}  # the configured count too
+    assert out_of_reach({1: 13}, samples, counts, 8) == {2, 4, 8, 16}  # 1 thread stays
+    assert choose(samples, (1, 2, 4), 8, 12, 0.05, 48) == 8  # out of reach: it stays
     assert counts_needing_samples(samples, counts, 12) == [16]
     assert choose(samples, counts, 8, 12, 0.05, 48) is None  # waits for 16's samples
     reach = [n for n in counts if n not in out_of_reach({16: 3}, samples, counts, 8)]
@@ -159,7 +162,6 @@ def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_dec
     assert out_of_reach({16: 3}, samples, counts, 8, held_out=[8]) == {8, 16}
     assert out_of_reach({}, samples, counts, 8, held_out=[1, 4]) == {4, 8, 16}  # 1 stays
     assert out_of_reach({}, samples, counts, 8, held_out=[1]) == set()
-    assert out_of_reach({1: 13}, samples, counts, 8) == {2, 4, 16}
 
 
 class _FreeSeconds:

@@ -438,6 +438,26 @@ def test_a_range_learns_without_the_counts_the_core_ledger_keeps_out_of_reach():
     assert explored < 0.2 * len(out.explored), explored  # learning ended early in the run
 
 
+def test_a_configured_count_the_core_ledger_refuses_stays_learned_and_serves_what_fits():
+    """R4.12, R4.13: mode 2, two workers configured 8 on 16 cores sharing them through the
+    core ledger beside a neighbour on 7: each worker's share is 4 threads, and 8 is refused
+    nearly always. Out of reach once refused more often than timed, the configured count
+    too, a range keeps the configured count (no other count can be judged against it) and
+    the ledger serves it at what fits. Before, a range waited for samples of 8 it seldom
+    got: one still explored after 60 s, its 8 refused over a thousand times (simulated
+    16 cores, seed 12 of ``bench/tuner_sweep.py``: ranges explored 30-50 s so, auditing
+    every 8th forward at 8 threads on the one core left)."""
+    host = SimulatedHost(TimeModel(16, flat()), [Neighbour(7, 0.0)], seed=7, configured=8,
+                         counts=(1, 2, 4, 8, 16), noise=QUIET, max_rows=1, workers=2,
+                         cores_hook=ledger(16, 8, 2))
+    out = host.run(poisson_trace(80, 60, [64, 256], seed=7))
+    for t in host.tuners:
+        for lo, r in t.learner.ranges.items():
+            assert r.learned == 8 and not r.exploring, (lo, r.phase, r.refused)
+    late = [n for n, at in zip(out.served_threads, out.at_s, strict=True) if at > 30]
+    assert late and set(late) == {4}, set(late)
+
+
 def test_a_range_decides_without_the_counts_a_neighbour_keeps_from_being_tried():
     """R4.5, R4.8: mode 2 on 16 cores, configured 8, beside a neighbour on 12 cores for the
     whole run. A forward at 8 or 16 would take twice its time or more beside it, so exploring

@@ -142,10 +142,14 @@ def out_of_reach(refused: Mapping[int, int], samples_by_count: Mapping[int, Sequ
     """Counts a range no longer times because the host's cores would not give them (R4.12:
     the core ledger serves a count that does not fit beside the other workers' at a lower
     one): the smallest count ``refused`` more often than it was timed, and every count above
-    it (more threads fit less often), never the configured count. Such a count, tried in
+    it (more threads fit less often), the configured count too. Such a count, tried in
     turn, served mostly at counts below it and gave itself few samples: a range waiting for
     its samples explored on, serving every count in turn, 1 thread among them (simulated, 64
-    cores, 8 workers, a neighbour on 29: most ranges still exploring after 120 s). Also the
+    cores, 8 workers, a neighbour on 29: most ranges still exploring after 120 s); beside a
+    neighbour on 7 of 16 cores, two workers configured 8 got it seldom, and ranges waiting
+    for its samples explored for 30-50 s, auditing every 8th forward at 8 threads on the one
+    core left (simulated, 16 cores, seed 12). With the configured count out of reach, the
+    rule keeps it (``_rule``). Also the
     smallest count ``held_out`` (other tasks' load kept it from being tried for
     ``held_out_s``: ``Learner.explore_served``) and every count above it, the configured one
     too (never the smallest count, by either rule): beside a neighbour on half of 16 cores
@@ -154,7 +158,7 @@ def out_of_reach(refused: Mapping[int, int], samples_by_count: Mapping[int, Sequ
     refusing = [n for n in counts if refused.get(n, 0) > len(samples_by_count.get(n, ()))]
     out: set[int] = set()
     if refusing:
-        out |= {n for n in counts if n >= min(refusing) and n != configured}
+        out |= {n for n in counts if n >= min(refusing)}
     held = [n for n in held_out if n > min(counts)]  # held at 1 thread: all are; none out
     if held:
         out |= {n for n in counts if n >= min(held)}
@@ -177,11 +181,15 @@ def _rule(samples_by_count: Mapping[int, Sequence[float]], counts: Sequence[int]
     bar at the configured count's median less ``margin``, every count whose interval
     straddles the bar, and the configured count, take samples up to ``most``; once none
     does, the count with the lowest median under the bar replaces the configured one (none:
-    it stays)."""
+    it stays). With the configured count out of the range's reach (not in ``counts``), it
+    stays: no other count can be judged against it, and where it is served the core ledger
+    and the load serve what fits (``core_rules.grant``, ``samples.fastest_under``)."""
     first = counts_needing_samples(samples_by_count, counts, min_samples)
     if first:
         return first, None
     out = ruled_out(samples_by_count, counts)
+    if configured not in counts:
+        return [], configured
     est = {n: estimate(samples_by_count[n]) for n in counts if n not in out}
     base = est.get(configured) or estimate(samples_by_count.get(configured, ()))
     if base is None:  # never timed: past a count already slower than the fastest
