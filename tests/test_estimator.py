@@ -151,7 +151,8 @@ def test_counts_the_core_ledger_mostly_refused_are_out_of_reach_and_the_rest_dec
     assert out_of_reach({8: 13, 16: 1}, samples, counts, 4) == {8, 16}  # and all above
     assert out_of_reach({8: 13}, samples, counts, 8) == {8, 16}  # the configured count too
     assert out_of_reach({1: 13}, samples, counts, 8) == {2, 4, 8, 16}  # 1 thread stays
-    assert choose(samples, (1, 2, 4), 8, 12, 0.05, 48) == 8  # out of reach: it stays
+    assert choose(samples, (1, 2, 4), 8, 12, 0.05, 48) == 8  # out of reach: it stays,
+    assert choose({1: [20.0]}, (1, 2, 4), 8, 12, 0.05, 48) == 8  # at once
     assert counts_needing_samples(samples, counts, 12) == [16]
     assert choose(samples, counts, 8, 12, 0.05, 48) is None  # waits for 16's samples
     reach = [n for n in counts if n not in out_of_reach({16: 3}, samples, counts, 8)]
