@@ -208,6 +208,16 @@ class TorchBackend:
     def close(self) -> None:
         pass
 
+    def discard(self) -> None:
+        """Give this backend's memory back once no forward will run on it (a precision the
+        quality gate loaded and did not keep): its frozen trace's constants are emptied
+        (``torch_fast.forget``), not left to torch's compilation unit. Not ``close``: a
+        stopping worker closes its backend after waiting a bounded time for its forwards
+        (``Engine.stop``), so one may still run."""
+        from vllm_srun.runtime.torch_fast import forget
+
+        forget(self.module)
+
 
 _built = threading.Event()  # set once this process builds a backend (``built_any``)
 

@@ -157,6 +157,9 @@ def release(backends: list[Backend]) -> None:
     in the worker (its resident memory is then the reduced copy's, not both)."""
     for backend in backends:
         backend.close()
+        discard = getattr(backend, "discard", None)  # torch: its trace's constants emptied
+        if discard is not None:
+            discard()
     backends.clear()
     gc.collect()
     _trim()

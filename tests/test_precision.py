@@ -6,7 +6,10 @@ matrix units (AMX, AVX-512 BF16), and ``auto`` measures."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -27,6 +30,18 @@ M = resolve(L6)
 UNREACHABLE = GateThresholds(min_cosine=0.99999999)
 
 
+class _Kept:
+    """A backend ``choose`` may close but not discard: the fixture hands it to later tests."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def __getattr__(self, name: str):
+        if name == "discard":
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+
 @pytest.fixture(scope="module")
 def torch_l6():
     """``load`` for ``choose``: each precision's torch backend of L6, loaded once."""
@@ -34,7 +49,7 @@ def torch_l6():
 
     def load(p):
         if p not in cache:
-            cache[p] = load_backend(M, "torch", precision=p)
+            cache[p] = _Kept(load_backend(M, "torch", precision=p))
         return cache[p]
     return load
 
@@ -204,6 +219,35 @@ def test_bfloat16_keeps_no_float32_weights_once_chosen():
     floats = {str(t.dtype) for t in [*backend.module.parameters(), *backend.module.buffers()]
               if t.is_floating_point()}
     assert floats == {"torch.bfloat16"}
+
+
+def test_the_float32_reference_leaves_no_page_mapped_once_bfloat16_is_chosen():
+    """The float32 copy that answered the gate's reference is gone from the process, its
+    shared weights file unmapped: a frozen trace's graph outlives its module in torch's
+    compilation unit, and it held every float32 weight as a constant (462 MB resident for a
+    ModernBERT-base-shaped model in a bfloat16 worker) until ``release`` discarded it. In a
+    fresh process: the suite's other backends map the same file."""
+    code = f"""
+import json
+from vllm_srun.runtime.artifact import resolve
+from vllm_srun.runtime.backend import load_backend
+from vllm_srun.runtime.precision import Precision
+from vllm_srun.runtime.quality import GateThresholds
+from vllm_srun.runtime.selection import choose
+from vllm_srun.runtime.weights import shared_state_path
+m = resolve({L6!r})
+backend, choice = choose(m, "torch", "bfloat16", GateThresholds(min_cosine=0.0), 1,
+                         lambda p: load_backend(m, "torch", precision=p))
+path = shared_state_path(m, Precision.FLOAT32)
+maps = open("/proc/self/maps").read()
+print(json.dumps({{"chosen": choice.precision.value, "written": path.is_file(),
+                  "mapped": str(path) in maps}}))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == {"chosen": "bfloat16", "written": True, "mapped": False}, got
 
 
 def test_bfloat16_below_the_threshold_is_refused_and_auto_falls_back(torch_l6):
