@@ -114,7 +114,17 @@ from pathlib import Path
 
 from bench import adaptive_learning, load_targets, openloop
 from bench.adaptive_learning import MODE2
-from bench.adaptive_wrk import LEARNING, MIX, Server, learn, lua, threads_summary, verify, wrk
+from bench.adaptive_wrk import (
+    LEARNING,
+    MIX,
+    Server,
+    batch_limits,
+    learn,
+    lua,
+    threads_summary,
+    verify,
+    wrk,
+)
 from bench.load_trace import write_bodies
 from bench.stats import percentile
 
@@ -277,8 +287,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         # every server and the voucher sweep: the same batch limits, backend and precision
-        self.limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
-                       str(args.max_num_batched_tokens),
+        self.limits = [*batch_limits(args.max_num_batched_tokens),
                        *(["--backend", args.backend] if args.backend else []),
                        *(["--dtype", args.dtype] if args.dtype else [])]
         self.tmp = Path(tempfile.mkdtemp(prefix="adaptive-load-"))

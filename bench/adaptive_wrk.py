@@ -161,6 +161,12 @@ def pooled_percentile(runs: list[dict], pct: float = 99.0) -> float | None:
     return values[min(i, len(values) - 1)] / 1e3
 
 
+def batch_limits(max_num_batched_tokens: int = 512) -> list[str]:
+    """The adaptive benches' batch limits: every server and the voucher sweep take the same
+    (a voucher covers only the shapes of the limits it was swept over)."""
+    return ["--max-num-seqs", "32", "--max-num-batched-tokens", str(max_num_batched_tokens)]
+
+
 def verify(model: str, record: str, limits: list[str]) -> None:
     """``threads verify`` over the servers' own batch limits (mode 2's voucher)."""
     proc = subprocess.run([sys.executable, "-m", "vllm_srun.server", "threads", "verify", model,
@@ -260,8 +266,7 @@ def main() -> None:
     p.add_argument("--learn-bursts", type=int, default=10)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = p.parse_args()
-    limits = ["--max-num-seqs", "32", "--max-num-batched-tokens",
-              str(args.max_num_batched_tokens)]
+    limits = batch_limits(args.max_num_batched_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="adaptive-wrk-"))
     script = tmp / "mixed.lua"
     script.write_text(lua(args.model))

@@ -24,11 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.adaptive_wrk import LEARNING, Server, lua, wrk
+from bench.adaptive_wrk import LEARNING, Server, batch_limits, lua, wrk
 from bench.precision import host
 
 MODEL = "all-MiniLM-L6-v2"
-LIMITS = ["--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
+LIMITS = batch_limits()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bench.adaptive_wrk import LEARNING, Server, learn, lua, verify, wrk
+from bench.adaptive_wrk import LEARNING, Server, batch_limits, learn, lua, verify, wrk
 
 MODEL = "all-MiniLM-L6-v2"
-LIMITS = ["--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--seconds must be >= 1")
     if a.voucher and not Path(a.voucher).is_file():
         raise SystemExit(f"--voucher: no such file {a.voucher!r}")
-    limits = [*LIMITS, "--backend", a.backend, "--dtype", a.dtype]
+    limits = [*batch_limits(), "--backend", a.backend, "--dtype", a.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "record.sqlite"
         if a.voucher:

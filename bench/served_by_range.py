@@ -18,12 +18,11 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.adaptive_wrk import Server, lua, wrk
+from bench.adaptive_wrk import Server, batch_limits, lua, wrk
 from bench.load_trace import forward_totals, since
 from bench.precision import host
 
 MODEL = "all-MiniLM-L6-v2"
-LIMITS = ["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--cache-entries", "0"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--counts: not a list of integers: {a.counts!r}") from None
     if not counts or min(counts) < 1 or a.connections < 1 or a.rounds < 1 or a.seconds < 1:
         raise SystemExit("--counts >= 1 each, --connections >= 1, --rounds >= 1, --seconds >= 1")
-    flags = [*LIMITS, "--backend", a.backend, "--dtype", a.dtype]
+    flags = [*batch_limits(), "--cache-entries", "0", "--backend", a.backend, "--dtype", a.dtype]
     before = host()
     totals: dict[int, dict[str, list[float]]] = {n: {} for n in counts}
     rps: dict[int, list[float]] = {n: [] for n in counts}

@@ -177,9 +177,9 @@ def _constants(torch, graph) -> list:
     return [c for c in constants if isinstance(c, torch.Tensor)]
 
 
-def forget(served) -> int:
+def forget(served) -> None:
     """Empty the tensors a frozen trace of ``served`` (``faster``'s) reads as constants, so
-    their memory goes once the module does; returns how many. The frozen graph belongs to
+    their memory goes once the module does. The frozen graph belongs to
     torch's global compilation unit, which keeps it after the module is gone, and with it
     every weight it reads as a constant: the float32 copy that answered the quality gate's
     reference stayed mapped and resident in a worker that served bfloat16 (462 MB for a
@@ -188,14 +188,11 @@ def forget(served) -> int:
 
     script = getattr(served, "script", None)
     if script is None or not hasattr(script, "graph"):
-        return 0
-    emptied = 0
+        return
     with torch.inference_mode():
         for tensor in _constants(torch, script.graph):
-            if tensor.layout is torch.strided and tensor.numel():
+            if tensor.layout is torch.strided:
                 tensor.set_()  # the graph keeps an empty tensor; the storage is let go
-                emptied += 1
-    return emptied
 
 
 def pack(torch, module) -> list:
