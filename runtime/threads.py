@@ -7,7 +7,9 @@ the thread's first parallel op, and ``set_num_threads`` also touches process-glo
 a lane pins its count once, after forcing torch's lazy per-thread init, and re-checks it
 before every forward; counts never change on a lane, so no forward inherits another's count,
 however many engines share the process. onnxruntime fixes threads per session: its backend
-keeps one session per count and the lane only carries the call.
+keeps one session per count and the lane only carries the call. A torch forward at two or
+more threads runs with its team held on distinct CPUs (``placement``): a lane's team woken
+after a pause otherwise ran its threads on one CPU for tens of milliseconds.
 
 An *idle* context (``ThreadContext(idle=True)``, the adaptive tuner's shadow forwards) puts
 each lane in ``SCHED_IDLE`` before anything else runs on it, so the threads a backend creates
@@ -30,11 +32,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from vllm_srun.runtime.placement import Team, name_thread
+
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 _local = threading.local()
+_UNKNOWN = object()  # a lane whose torch team was not looked for yet
 _set_lock = threading.Lock()
 SCHED_IDLE_POLICY = 5  # the policy number Linux shows in /proc/<pid>/task/<tid>/sched
 
@@ -121,16 +126,30 @@ class ThreadContext:
 
     @staticmethod
     def _init_lane(num_threads: int, owner: ThreadContext | None = None) -> None:
-        if owner is not None and owner.idle:
+        idle = owner is not None and owner.idle
+        if idle:
             make_idle()  # before torch's per-thread init creates anything on this thread
         _local.lane_threads = num_threads
-        _local.lane_idle = owner is not None and owner.idle
+        _local.lane_idle = idle
+        # the helpers of the team this thread will lead carry the name (``placement``)
+        _local.lane_name = name_thread("idle" if idle else "fwd", num_threads)
         pin_torch_threads(num_threads)
 
     @staticmethod
     def _call(num_threads: int, fn: Callable[[], T]) -> T:
+        """``fn`` on this lane, its torch team held on distinct CPUs while it runs
+        (``placement.Team``, found at the lane's first call with torch loaded)."""
         pin_torch_threads(num_threads)
-        return fn()
+        team = getattr(_local, "team", _UNKNOWN)
+        if team is _UNKNOWN and "torch" in sys.modules:
+            team = _local.team = Team.find(num_threads, getattr(_local, "lane_name", None))
+        if not isinstance(team, Team):
+            return fn()
+        held = team.hold()
+        try:
+            return fn()
+        finally:
+            team.release(held)
 
     def run(self, num_threads: int, fn: Callable[[], T]) -> T:
         """Run ``fn`` at ``num_threads`` intra-op threads and return its result: inline when

@@ -152,13 +152,15 @@ def test_fuzzed_config_documents_are_accepted_or_refused_naming_the_key(document
 @given(st.text(max_size=20))
 def test_fuzzed_environment_values_are_accepted_or_refused_naming_the_variable(value):
     from vllm_srun.runtime.budget import THREADS_ENV, configured_threads
+    from vllm_srun.runtime.placement import SPREAD_ENV, spread_threads
     from vllm_srun.server.frontend.auth import API_KEY_ENV, api_key
     from vllm_srun.server.pool.pool import DISPATCH_ENV, dispatch_mode
     from vllm_srun.tuner.modes import ADAPTIVE_ENV, MAX_THREADS_ENV, max_threads, parse_mode
 
     checks = [(THREADS_ENV, lambda env: configured_threads(4, None, env)),
               (ADAPTIVE_ENV, parse_mode), (MAX_THREADS_ENV, lambda env: max_threads(4, None,
-                                                                                   env))]
+                                                                                   env)),
+              (SPREAD_ENV, spread_threads)]
     for name, parse in checks:
         try:
             parse({name: value})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,3 +168,53 @@ def test_only_a_worker_that_serves_several_counts_stops_its_pools_spinning(mode,
         assert backend.stop_spinning is stops
     finally:
         backend.close()
+
+
+def _placement(lead_name: str) -> tuple[set[int], int, dict[int, set[int]]]:
+    """Inside a forward on a lane: the lead's mask and CPU, and each helper's mask (the
+    threads carrying the lead's OS name)."""
+    from vllm_srun.runtime.placement import _sched_getcpu
+
+    me, helpers = threading.get_native_id(), {}
+    for tid in os.listdir("/proc/self/task"):
+        if Path(f"/proc/self/task/{tid}/comm").read_text().strip() == lead_name and \
+                int(tid) != me:
+            helpers[int(tid)] = os.sched_getaffinity(int(tid))
+    return os.sched_getaffinity(0), _sched_getcpu(), helpers
+
+
+@pytest.mark.parametrize("spread", ["1", "0"])
+def test_a_two_thread_forward_holds_its_team_on_distinct_cpus_while_it_runs(
+        torch_backend, monkeypatch, spread):
+    """R2.1, ``runtime.placement``: a 2-thread torch forward handed to a lane runs with its
+    lead thread held on its CPU and the team's helper kept off that CPU, and the lead is free
+    again once the forward ends (a lane's team after a pause ran both threads on one CPU, as
+    slow as one thread). $VLLM_SRUN_CPU_SPREAD_THREADS=0 leaves them to the kernel, and the
+    answers are the same either way. Where the process may use one CPU, nothing is held."""
+    from vllm_srun.runtime.engine import pad
+
+    monkeypatch.setenv("VLLM_SRUN_CPU_SPREAD_THREADS", spread)
+    allowed = os.sched_getaffinity(0)
+    batch = pad([[101] + [7592] * 40 + [102]] * 4)
+    reference = torch_backend.forward(batch, 2).outputs
+    context = ThreadContext()
+    try:
+        name = context._lane(2).submit(
+            lambda: Path("/proc/thread-self/comm").read_text().strip()).result()
+        assert name.startswith("vs-fwd2-")  # the lane's unique name, its helpers' too
+
+        def forward_and_look():
+            result = torch_backend.forward(batch, 2)
+            return result, _placement(name)
+
+        result, (lead, cpu, helpers) = context.run(2, forward_and_look)
+        after = context._lane(2).submit(lambda: os.sched_getaffinity(0)).result()
+    finally:
+        context.shutdown()
+    assert np.array_equal(result.outputs, reference)
+    assert after == allowed  # the lead is released when the forward ends
+    if spread == "1" and len(allowed) >= 2:
+        assert lead == {cpu} and cpu in allowed
+        assert len(helpers) == 1 and all(m == allowed - {cpu} for m in helpers.values())
+    else:
+        assert lead == allowed

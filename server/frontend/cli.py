@@ -221,6 +221,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
     from vllm_srun.runtime.budget import configured_threads, cpu_budget
+    from vllm_srun.runtime.placement import spread_threads
     from vllm_srun.server.frontend.app import ServerOptions, ServerState, create_app
     from vllm_srun.server.pool.pool import PoolOptions
     from vllm_srun.server.pool.replica_factory import (
@@ -233,6 +234,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         _reexec_for_mkl_cbwr(args, argv)
     config = _checked_config(args)
     budget, mode = cpu_budget(), parse_mode()
+    spread_threads()  # read by each worker's lanes: a bad value is a start-up error here
     share = learning_share(args.learning_share)
     pool_options = PoolOptions(budget, int(mode), max_threads(budget, args.max_threads),
                                args.record, args.log_level, learning_share=share)
