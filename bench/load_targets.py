@@ -10,6 +10,7 @@ raw open-loop latencies kept in memory) and returns rows; nothing runs a server.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from bench.adaptive_learning import MODE2, regret_figures, windows_rps
@@ -148,6 +149,16 @@ def steady_targets(out: dict) -> list[dict]:
         rows.append(row(f"(s) steady: {MODE2} req/s / best fixed ({best}), {label}"
                         + (f"; null check {twin[0]} / {twin[1]}" if twin else ""),
                         ">= 0.97", median_interval(ratio(MODE2, best)) if best else NONE, null))
+        if twin and part == "all":
+            # the fixed servers run every round as the same instances while mode 2 is fresh
+            # each round, and two identical fixed instances differed by 0.948 [0.934, 0.959]
+            # in every window position (bfloat16, 6 rounds): a per-instance offset pairing
+            # cannot remove, so the best count is also taken over both its instances
+            both = [math.sqrt(a * b) for a, b in zip(ratio(MODE2, best), ratio(MODE2, twin[0]),
+                                                     strict=True)]
+            rows.append(row(f"(s) steady: {MODE2} req/s / best fixed over both its instances "
+                            f"({best}, {twin[0]}; geometric mean), {label}; null check "
+                            f"{twin[0]} / {twin[1]}", ">= 0.97", median_interval(both), null))
     return rows
 
 

@@ -4,6 +4,7 @@ side by side:
 
     python -m bench.spread_threads [--rounds 10] [--backend torch] [--dtype bfloat16]
                                    [--out bench/results/spread_threads.json]
+    python -m bench.spread_threads --http [--rounds 10] [--seconds 6] [--dtype bfloat16]
 
 Three worker-like processes (all-MiniLM-L6-v2): spreading on, on again (the null check) and
 off. Each keeps an engine-like thread at 1 thread, as a mode 2 worker configured at 1 does,
@@ -13,6 +14,12 @@ three patterns: back to back (the lane's team just ran), after three 1-thread fo
 between counts), after a 200 ms pause (traffic with gaps; a shadow pass after a pause). The
 figure per process and round is the median of its forwards; the ratios (off / on, on again /
 on) are paired per round, with a bootstrap 95% interval. Read ratios, not absolute times.
+
+``--http``: three ``vllm-srun serve --backend torch --threads 2`` servers (the engine thread
+leads the team itself; no lane), spreading on, on again and off, with the adaptive benches'
+mixed bodies and batch limits; per round and in turn, wrk at 16 and at 1 connection, and at
+1 connection pausing 200 ms (exponential) before each request. Figures: req/s (16 and 1),
+mean latency (with pauses); ratios paired per round as above.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -82,8 +90,43 @@ def _child(conn, spread: str, backend: str, dtype: str, per_pattern: int) -> Non
     engine.join()
 
 
+HTTP_LEVELS = {"16 connections, req/s": (16, None, "rps"), "1 connection, req/s": (1, None, "rps"),
+               "1 connection pausing 200 ms, mean ms": (1, 200.0, "mean_ms")}
+
+
+def http(a: argparse.Namespace) -> dict:
+    """The ``--http`` bench (see the module docstring): figures[server][level] per round."""
+    from bench.adaptive_wrk import Server, batch_limits, lua, wrk
+
+    tmp = Path(tempfile.mkdtemp(prefix="spread-"))
+    scripts = {}
+    for level, (_, think, _) in HTTP_LEVELS.items():
+        scripts[level] = tmp / f"{len(scripts)}.lua"
+        scripts[level].write_text(lua(MODEL, think_ms=think))
+    flags = [*batch_limits(), "--backend", "torch", "--dtype", a.dtype, "--threads", "2",
+             "--cache-entries", "0"]
+    figures = {n: {lv: [] for lv in HTTP_LEVELS} for n in PROCESSES}
+    servers = {}
+    try:
+        for name, spread in PROCESSES.items():
+            servers[name] = Server(MODEL, flags, {"VLLM_SRUN_CPU_SPREAD_THREADS": spread})
+        for rnd in range(a.rounds):
+            for level, (conns, _, key) in HTTP_LEVELS.items():
+                for name in rotated(list(servers), rnd):
+                    got = wrk(servers[name].url, str(scripts[level]), conns, a.seconds,
+                              seed=1000 * conns + rnd)
+                    figures[name][level].append(got[key])
+            print(f"round {rnd + 1}/{a.rounds}", flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.spread_threads")
+    p.add_argument("--http", action="store_true", help="fixed 2-thread servers over HTTP")
+    p.add_argument("--seconds", type=float, default=6.0, help="--http: per level and round")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--per-pattern", type=int, default=5, help="forwards per pattern and round")
     p.add_argument("--backend", choices=("torch",), default="torch")
@@ -92,6 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 2 or a.per_pattern < 1:
         raise SystemExit("--rounds must be >= 2 and --per-pattern >= 1")
+    if a.http:
+        figures = http(a)
+        lines = [f"torch {a.dtype}, `--threads 2` over HTTP, {a.rounds} rounds; median "
+                 "(spreading on) and paired ratios with 95% intervals", "",
+                 "| level | on | off | off / on | on again / on (null) |", "|---|---|---|---|---|"]
+        for level in HTTP_LEVELS:
+            on, off, null = (figures[n][level] for n in ("on", "off", "on again"))
+            lines.append(f"| {level} | {statistics.median(on):.1f} | {statistics.median(off):.1f}"
+                         f" | {median_interval(paired_ratios(off, on)).text()} | "
+                         f"{median_interval(paired_ratios(null, on)).text()} |")
+        return _write(a, figures, lines)
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
     for name, spread in PROCESSES.items():
@@ -130,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"{statistics.median(off):.1f} | "
                          f"{median_interval(paired_ratios(off, on)).text()} | "
                          f"{median_interval(paired_ratios(null, on)).text()} |")
+    return _write(a, figures, lines)
+
+
+def _write(a: argparse.Namespace, figures: dict, lines: list[str]) -> int:
     print("\n".join(lines))
     Path(a.out).write_text(json.dumps({"args": vars(a), "host": host(), "figures": figures,
                                        "report": lines}, indent=1))
