@@ -74,14 +74,17 @@ def test_steady_and_regret_targets_carry_intervals_verdicts_and_the_null_check()
     regret = [{n: {"ranges": r} for n, r in ranges.items()} for _ in range(6)]
     out = {"rounds": {}, "steady_rounds": steady, "regret_rounds": regret}
     rows = load_targets.targets(out, {})
-    whole, late, reg = rows
+    whole, both, late, reg = rows
     assert whole["verdict"] == "missed" and whole["hi"] < 0.97  # learning cost the first half
+    # over both instances of the best count (fixed 1 and its twin), the same null check
+    assert "both its instances (fixed 1, fixed 1 again" in both["target"]
+    assert both["estimate"] < whole["estimate"] and both["null"] == whole["null"]
     assert late["verdict"] == "met" and late["lo"] >= 0.97 and late["rounds"] == 8
     assert late["null"]["lo"] <= 1.0 <= late["null"]["hi"] + 0.03
     assert reg["estimate"] == pytest.approx(1.5) and reg["verdict"] == "missed"
     assert reg["null"]["estimate"] == 1.0
     assert regret_figures(regret[0], load_targets.FIXED)["oracle_s"] == 1.0
-    assert load_targets.table(rows)[2][3] == "missed"
+    assert load_targets.table(rows)[3][3] == "missed"
 
 
 def test_the_steady_null_check_is_the_best_fixed_counts_twin_where_the_run_has_one():
@@ -90,12 +93,16 @@ def test_the_steady_null_check_is_the_best_fixed_counts_twin_where_the_run_has_o
     steady = [_steady_round({"fixed 1": [30] * 4, "fixed 2": [40] * 4,
                              "fixed 2 again": [40 * (0.8 if i % 2 else 1.2)] * 4,
                              MODE2: [40] * 4}) for i in range(8)]
-    (whole, _late) = load_targets.steady_targets({"steady_rounds": steady})
+    (whole, both, _late) = load_targets.steady_targets({"steady_rounds": steady})
     assert "best fixed (fixed 2)" in whole["target"]
     assert "null check fixed 2 again / fixed 2" in whole["target"]
     assert whole["null"]["lo"] == pytest.approx(0.8) and whole["null"]["hi"] == pytest.approx(1.2)
+    # a twin 1.2x or 0.8x its instance: mode 2 over both is 40 / sqrt(40 * 48) or
+    # 40 / sqrt(40 * 32) per round, where over fixed 2 alone it is 1.0 in every round
+    assert whole["estimate"] == pytest.approx(1.0)
+    assert both["estimate"] == pytest.approx((40 / (40 * 48) ** 0.5 + 40 / (40 * 32) ** 0.5) / 2)
     with_both = [{**r, "fixed 1 again": r["fixed 1"]} for r in steady]
-    (whole, _late) = load_targets.steady_targets({"steady_rounds": with_both})
+    (whole, _both, _late) = load_targets.steady_targets({"steady_rounds": with_both})
     assert "fixed 2 again" in whole["target"]  # the twin of the best, not the first one
     without = [{n: w for n, w in r.items() if n != "fixed 2 again"} for r in steady]
     (whole, _late) = load_targets.steady_targets({"steady_rounds": without})
