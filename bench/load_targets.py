@@ -154,8 +154,10 @@ def steady_targets(out: dict) -> list[dict]:
             # each round, and two identical fixed instances differed by 0.948 [0.934, 0.959]
             # in every window position (bfloat16, 6 rounds): a per-instance offset pairing
             # cannot remove, so the best count is also taken over both its instances
-            both = [math.sqrt(a * b) for a, b in zip(ratio(MODE2, best), ratio(MODE2, twin[0]),
-                                                     strict=True)]
+            both = paired_ratios(
+                [windows_rps(r[MODE2], part) if MODE2 in r else None for r in rounds],
+                [math.sqrt(windows_rps(r[best], part) * windows_rps(r[twin[0]], part))
+                 for r in rounds])
             rows.append(row(f"(s) steady: {MODE2} req/s / best fixed over both its instances "
                             f"({best}, {twin[0]}; geometric mean), {label}; null check "
                             f"{twin[0]} / {twin[1]}", ">= 0.97", median_interval(both), null))

@@ -82,10 +82,10 @@ class Team:
     """The helper threads of the calling thread's torch OpenMP team, and the hold of one
     forward (see the module docstring)."""
 
-    __slots__ = ("helpers", "size")
+    __slots__ = ("helpers",)
 
     def __init__(self, helpers: tuple[int, ...]) -> None:
-        self.helpers, self.size = helpers, len(helpers) + 1
+        self.helpers = helpers
 
     @classmethod
     def find(cls, num_threads: int, name: str | None) -> Team | None:
@@ -114,7 +114,7 @@ class Team:
         if not self.helpers:
             return None
         allowed = os.sched_getaffinity(0)
-        if len(allowed) < self.size:
+        if len(allowed) <= len(self.helpers):  # fewer CPUs than the team's threads
             return None
         cpu = _sched_getcpu()
         if cpu not in allowed:
