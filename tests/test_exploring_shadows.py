@@ -77,3 +77,36 @@ def test_a_forward_explored_on_is_audited_while_it_fills_the_window_then_at_the_
     # a count whose window is still open is audited each time
     made.tally.explored += 1
     assert shadows_after(made, 4) == [1]
+
+
+def shadow_of(made: Learner, served: int, count: int, rows: int = 1, length: int = 64,
+              ms: float = 5.0) -> list[int]:
+    """A forward of ``rows`` x ``length`` served at ``served`` and its due shadow run once,
+    clean, at ``count`` in ``ms``: the counts its job still holds after (a count still due
+    runs that batch again)."""
+    batch = batch_of(rows, length)
+    made.served(batch, ForwardResult(answer(batch), served, served, 0.01), None, False, 1.0)
+    job = made.board.jobs[64]
+    made.after_shadow(64, job, count, ForwardResult(answer(batch), count, count, ms / 1000),
+                      True, 2.0)
+    return job.counts
+
+
+def test_an_audit_of_a_count_served_forwards_time_is_no_sample_and_does_not_run_again():
+    """An exploring range compares its counts on samples of one kind and of its traffic:
+    where its served forwards time a count, a shadow of that count only verifies. Taken as
+    samples, and run again while the count still lacked samples, audits of one batch
+    served at 2 threads in a pause made the whole 1-thread estimate of 64-127 padded tokens
+    (11 runs of one 65-token row, 8.8-10.6 ms), against 2-thread samples of served forwards
+    of every size in the range under 16 connections: the range learned 1 thread where a
+    fixed 2 served its passages faster (torch bfloat16, 2-vCPU EPYC, two runs of
+    ``bench.mode2_learned`` with the samples logged)."""
+    made, r = learner()
+    made.ledger.locked_reason = None  # (no golden check: what a shadow gives is under test)
+    r.explore_served = True
+    assert shadow_of(made, 2, 1) == []  # the audit ran; it gives no sample, nor runs again
+    assert 1 not in r.samples
+    # a shape the voucher does not cover: shadows time its counts, and a count still due
+    # runs the batch again
+    assert shadow_of(made, 1, 2, rows=16, length=4) == [4, 2]
+    assert r.samples[2] == [5.0]

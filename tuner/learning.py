@@ -95,6 +95,9 @@ class Learner(Exploring, Relearning):
             self.tally.served_samples += 1
             self.tally.samples_scaled += factor > 1.0
             self.sample(lo, r, result.num_threads, ms, batch.padded_tokens)
+            log.debug("threads_sample source=served range=%d num_threads=%d ms=%.3f rows=%d "
+                      "padded_tokens=%d factor=%.3f", lo, result.num_threads, ms, batch.rows,
+                      batch.padded_tokens, factor)
         counts = self.shadow_counts(lo, result.num_threads, contention, batch)
         if counts:
             self.put(lo, batch, result, counts, now)
@@ -141,6 +144,9 @@ class Learner(Exploring, Relearning):
         """Range ``lo``'s batch just served is its due shadow work now (the newest goes to
         the back); where some of it is payable, the range starts to starve from now."""
         job = ShadowJob(batch, result.outputs, result.num_threads, counts, result.forward_s)
+        log.debug("threads_shadow_due range=%d served=%d counts=%s rows=%d padded_tokens=%d "
+                  "explore_served=%s", lo, result.num_threads, counts, batch.rows,
+                  batch.padded_tokens, self.ranges[lo].explore_served)
         self.board.put(lo, job)
         if any(self.board.payable(lo, job, n) for n in counts):
             self.board.starved_since.setdefault(lo, now)
@@ -167,13 +173,17 @@ class Learner(Exploring, Relearning):
         cost_ms = served_cost_ms(result.forward_s, result.waited_s, count)
         if clean and cost_ms is None:
             self.tally.preempted += 1  # compared bit for bit, but mostly waiting: no sample
-        elif clean:
+        elif clean and not (r.exploring and self.times_served(r, count, job.batch)):
             progress |= r.exploring and count in self.need(r)
             self.sample(lo, r, count, cost_ms, job.batch.padded_tokens)
+            log.debug("threads_sample source=%s range=%d num_threads=%d ms=%.3f rows=%d "
+                      "padded_tokens=%d wall_ms=%.3f", "paid" if paid else "shadow", lo, count,
+                      cost_ms, job.batch.rows, job.batch.padded_tokens, result.forward_s * 1000)
         r = self.ranges[lo]
         if count in job.counts:
             job.counts.remove(count)
-        if retry and r.exploring and count in self.need(r):
+        if retry and r.exploring and count in self.need(r) \
+                and not self.times_served(r, count, job.batch):
             job.counts.append(count)  # still due: this batch (a shape load made) runs again
             # (if not ``retry``, after it waited for CPUs other tasks held: they likely
             # still do; the range's next served batch brings the count again), after a
