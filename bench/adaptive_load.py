@@ -54,7 +54,8 @@ Sections (``--only``):
   twin of the fixed count best at that level.
 - ``phases``: fixed 1 and fixed 2 with that neighbour stopped, then running throughout: the
   per-phase oracle says what following the neighbour could gain over fixed 2.
-- ``steady`` (new): no learning phase. Per round (``--steady-rounds``), a fresh mode 2 first
+- ``steady`` (new): no learning phase. Per round (``--steady-rounds``), fresh fixed servers
+  and a fresh mode 2 start (each round its own instances), and the mode 2 first
   serves ``--steady-settle-seconds`` of 16 closed-loop connections alone (wrk, other bodies),
   from its first second; then it and the fixed servers each run ``--steady-seconds`` at 16
   connections in ``--window-seconds`` windows taken in turn (window k of every server one
@@ -500,21 +501,22 @@ class Bench:
             self.down(servers)
 
     def learning_sections(self) -> None:
-        """``steady`` and ``regret``: the fixed servers up, a fresh mode 2 per round."""
+        """``steady`` and ``regret``: a fresh mode 2 per round, beside fixed servers started
+        per round (``steady``) or once (``regret``)."""
         a, only = self.args, self.args.only
         self.vouch()
         print("== learning under the measured load: a fresh mode 2 per round, no learning "
               "phase", flush=True)
-        fixed = self.up((*SERVERS[:2], *((AGAIN,) if "regret" in only else ()),
-                         *((AGAIN_2,) if "steady" in only else ())))
 
         def fresh() -> Server:
             return self.fresh("mode 2 fresh", [], "2")
+        if "steady" in only:  # its fixed servers start fresh each round, as its mode 2 does
+            self.out["steady_rounds"] = adaptive_learning.steady(
+                lambda: self.up((*SERVERS[:2], AGAIN_2)), fresh, self.mixed, 16,
+                a.steady_seconds, a.window_seconds, a.steady_rounds,
+                settle_s=a.steady_settle_seconds)
+        fixed = self.up((*SERVERS[:2], AGAIN)) if "regret" in only else {}
         try:
-            if "steady" in only:
-                self.out["steady_rounds"] = adaptive_learning.steady(
-                    fixed, fresh, self.mixed, 16, a.steady_seconds, a.window_seconds,
-                    a.steady_rounds, settle_s=a.steady_settle_seconds)
             capacity = self.capacity(fixed) if "regret" in only else None
             if capacity:
                 rate = a.regret_share * capacity

@@ -14,6 +14,10 @@ Capacity is measured first, on a server with learning off (wrk, 16 connections),
 ``--capacity`` gives it.
 
     python -m bench.mode1_learning [--shares 0.3,0.6] [--seconds 300] [--capacity RPS]
+                                   [--backend torch --dtype bfloat16]
+
+``--backend``/``--dtype`` (default: the server's own, what a user gets) start both the
+capacity server and the learning servers with that backend and precision.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TIMED_BY_S, LEARNED_BY_S = 120.0, 300.0  # the target's bounds
 
 
-def capacity_rps(tmp: Path) -> float:
+def capacity_rps(tmp: Path, flags: list[str]) -> float:
     script = tmp / "load.lua"
     script.write_text(lua(MODEL))
-    with Server(MODEL, ["--cache-entries", "0"], ENV) as server:
+    with Server(MODEL, ["--cache-entries", "0", *flags], ENV) as server:
         run_wrk(server.url, str(script), 1, 3)  # warm
         return float(run_wrk(server.url, str(script), 16, 10)["rps"])
 
@@ -64,11 +68,13 @@ def _firsts(report: dict, at_s: float, seen: dict[str, dict]) -> None:
                 got[key] = at_s
 
 
-def run_level(tmp: Path, rate: float, seconds: float, poll_s: float, seed: int) -> dict:
+def run_level(tmp: Path, rate: float, seconds: float, poll_s: float, seed: int,
+              flags: list[str]) -> dict:
     bodies = write_bodies(tmp / f"bodies-{seed}.jsonl", MODEL, math.ceil(rate * seconds * 1.3)
                           + 50, seed)
     record = tmp / f"record-{seed}.sqlite"
-    args = ["--adaptive-threads", "learn", "--record", str(record), "--cache-entries", "0"]
+    args = ["--adaptive-threads", "learn", "--record", str(record), "--cache-entries", "0",
+            *flags]
     seen: dict[str, dict] = {}
     with Server(MODEL, args, ENV) as server:
         load: dict = {}
@@ -102,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=LEARNED_BY_S)
     parser.add_argument("--poll-s", type=float, default=5.0)
     parser.add_argument("--capacity", type=float, default=None, help="req/s (else measured)")
+    parser.add_argument("--backend", choices=("onnxruntime", "torch"), default=None)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "int8"), default=None)
     parser.add_argument("--out", default="bench/results/mode1_learning.json")
     args = parser.parse_args(argv)
+    flags = [*(["--backend", args.backend] if args.backend else []),
+             *(["--dtype", args.dtype] if args.dtype else [])]
     try:
         shares = [float(x) for x in args.shares.split(",")]
     except ValueError:
@@ -111,14 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     if not all(0 < s <= 1 for s in shares) or args.seconds <= 0 or args.poll_s <= 0:
         raise SystemExit("--shares within (0, 1], --seconds and --poll-s > 0")
     with tempfile.TemporaryDirectory(prefix="mode1-") as tmp:
-        capacity = args.capacity or capacity_rps(Path(tmp))
+        capacity = args.capacity or capacity_rps(Path(tmp), flags)
         levels = []
         for i, share in enumerate(shares):
-            level = run_level(Path(tmp), share * capacity, args.seconds, args.poll_s, 1000 + i)
+            level = run_level(Path(tmp), share * capacity, args.seconds, args.poll_s, 1000 + i,
+                              flags)
             level["share"] = share
             levels.append(level)
             print(verdict(level), f"(load {level['load_1min_end']:.1f})", flush=True)
-    doc = {"model": MODEL, "capacity_rps": capacity, "levels": levels,
+    doc = {"model": MODEL, "flags": flags, "capacity_rps": capacity, "levels": levels,
            "verdicts": [verdict(lv) for lv in levels]}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     for lv in levels:

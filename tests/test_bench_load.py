@@ -151,15 +151,25 @@ def test_p99_target_pools_the_open_loop_requests_of_every_round():
 
 
 @pytest.mark.required_in_ci
-def test_quick_regret_section_end_to_end(tmp_path):
+def test_quick_steady_and_regret_sections_end_to_end(tmp_path):
+    """Each steady round runs its own fixed servers beside its fresh mode 2 (a fixed server
+    kept for every round carried an offset of its own into every ratio)."""
     if shutil.which("wrk") is None or shutil.which("cc") is None:
         pytest.skip("the bench needs wrk and cc")
     out = tmp_path / "load.json"
     done = subprocess.run([sys.executable, "-m", "bench.adaptive_load", "--quick", "--only",
-                           "regret", "--regret-rounds", "2", "--seconds", "1",
+                           "steady", "regret", "--regret-rounds", "2", "--seconds", "1",
                            "--regret-seconds", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
+    steady = json.loads(out.read_text())["steady_rounds"]
+    assert len(steady) == 2
+    for rnd in steady:
+        assert set(rnd) == {"fixed 1", "fixed 2", "fixed 2 again", MODE2}
+        assert all(w["rps"] > 0 for run in rnd.values() for w in run["windows"])
+    # every round started its own fixed servers and its own mode 2 (each on a free port)
+    for name in steady[0]:
+        assert steady[0][name]["url"] != steady[1][name]["url"], name
     assert "### Regret over one open-loop trace" in done.stdout
     assert "null check [95%]: fixed 1 again / fixed 1" in done.stdout
     result = json.loads(out.read_text())
@@ -169,8 +179,9 @@ def test_quick_regret_section_end_to_end(tmp_path):
         for name, run in rnd.items():
             assert run["completed"] > 0 and run["status"]["2xx"] > 0, name
             assert run["ranges"], name  # served forward time per range, from /metrics
-    (regret,) = result["targets"]
-    assert regret["target"].startswith("(e) regret") and regret["rounds"] == 2
+    (regret,) = [t for t in result["targets"] if t["target"].startswith("(e) regret")]
+    assert regret["rounds"] == 2
+    assert any(t["target"].startswith("(s) steady") for t in result["targets"])
     assert regret["verdict"] == "unresolved"  # 2 rounds judge nothing
     assert regret["estimate"] > 0 and regret["null"]["estimate"] > 0
 

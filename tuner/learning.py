@@ -157,7 +157,10 @@ class Learner(Exploring, Relearning):
                      overlapped_at: float | None = None) -> None:
         """A shadow ended at ``now``: the ledger compares it with the served answer (a
         difference is drift); a clean one is a sample (what it would cost a served forward:
-        ``samples.served_cost_ms``); the range's state moves on."""
+        ``samples.served_cost_ms``), except of a count an exploring range's own served
+        forwards time (``times_served``): the counts of a range are compared on samples of
+        one kind, drawn from its traffic alike, so that shadow only verifies, and its batch
+        does not run again for that count. The range's state moves on."""
         if not self.ledger.learning:
             return
         if (at := first_difference(job.outputs, result.outputs)) is not None:
