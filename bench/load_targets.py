@@ -150,10 +150,11 @@ def steady_targets(out: dict) -> list[dict]:
                         + (f"; null check {twin[0]} / {twin[1]}" if twin else ""),
                         ">= 0.97", median_interval(ratio(MODE2, best)) if best else NONE, null))
         if twin and part == "all":
-            # the fixed servers run every round as the same instances while mode 2 is fresh
-            # each round, and two identical fixed instances differed by 0.948 [0.934, 0.959]
-            # in every window position (bfloat16, 6 rounds): a per-instance offset pairing
-            # cannot remove, so the best count is also taken over both its instances
+            # the best count also taken over both its instances: where the fixed servers ran
+            # every round as the same instances, two identical ones differed by 0.948 [0.934,
+            # 0.959] in every window position (bfloat16, 6 rounds), an offset pairing cannot
+            # remove; started per round (``adaptive_learning.steady``) each offset is one draw
+            # of a round's ratio, and this row reads beside the one over a single instance
             both = paired_ratios(
                 [windows_rps(r[MODE2], part) if MODE2 in r else None for r in rounds],
                 [math.sqrt(windows_rps(r[best], part) * windows_rps(r[twin[0]], part))
