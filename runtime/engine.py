@@ -9,7 +9,10 @@ above 1, n such threads loop, each taking the next forward while the others run 
 (fixed counts only: ``FixedThreads``); on a CPU whose forwards scale less than linearly with
 threads, n forwards of t threads serve more than one of n x t. A row whose answer holds NaN or
 infinity fails its request (``NonFiniteAnswer``, naming the input); the forward's other
-requests are answered. The threads policy hears when each
+requests are answered. The scheduler thread is itself a lane of one count (its *home*): a
+forward at another count is handed to that count's lane and back, and where most forwards
+come to be served at another count (mode 2 once it learned), the loop moves to a new thread
+whose home is that count (``HOME_WINDOW``, ``HOME_SHARE``). The threads policy hears when each
 served forward begins (``served_threads``) and ends (``observe``); the adaptive tuner runs its
 shadow passes on threads of its own and never on this one.
 
@@ -43,6 +46,16 @@ from vllm_srun.runtime.threads import ThreadContext, thread_context
 from vllm_srun.runtime.types import EngineArgs, ForwardRecord, ForwardResult, TokenBatch
 
 log = logging.getLogger(__name__)
+
+# The scheduler's home moves after this many forwards (one thread loops, a thread-bound
+# backend) of which at least ``HOME_SHARE`` were served at one other count. Each forward
+# handed to another count's lane waited 0.6-0.7 ms for that lane to wake on a busy 2-vCPU
+# host (mode 2 at 16 connections: 2.4-2.9% of the time, ``bench/engine_split.py``); a move costs
+# one forward on a new thread's cold team. A window of a few seconds of traffic at tens of
+# forwards a second, and a share well over half, so that a mix near even never moves it back
+# and forth.
+HOME_WINDOW = 128
+HOME_SHARE = 0.75
 
 
 class ThreadsPolicy(Protocol):
@@ -247,16 +260,40 @@ class Engine:
         return fn() if self._inline else (context or self.context).run(num_threads, fn)
 
     # -- the loop --------------------------------------------------------------------------
-    def _loop(self) -> None:
-        self.context.adopt(self.args.num_threads)
+    def _loop(self, home: int | None = None) -> None:
+        home = home or self.args.num_threads
+        self.context.adopt(home)
         lanes = ThreadContext() if self._own_lanes else None
         try:
-            self._serve_until_stopped(lanes)
+            self._serve_until_stopped(lanes, home)
         finally:
             if lanes is not None:
                 lanes.shutdown()
 
-    def _serve_until_stopped(self, lanes: ThreadContext | None) -> None:
+    def _movable(self) -> bool:
+        """May the scheduler's home move (one loop, a thread-bound backend)?"""
+        return self.args.concurrent_forwards == 1 and not self._inline
+
+    def _move_home(self, served: dict[int, int], home: int) -> bool:
+        """After ``HOME_WINDOW`` forwards (``served``: how many at each count): start the
+        loop on a new thread whose home is the count that served at least ``HOME_SHARE`` of
+        them, if it is not ``home``; True when this thread is to end."""
+        top = max(served, key=served.__getitem__)
+        if top == home or served[top] < HOME_SHARE * sum(served.values()):
+            return False
+        with self._cond:
+            if not self._running:
+                return False
+            thread = threading.Thread(target=self._loop, args=(top,), daemon=True,
+                                      name="engine")
+            self._threads.append(thread)
+            thread.start()
+        log.info("engine_home_moved from=%d to=%d forwards=%s", home, top, served)
+        return True
+
+    def _serve_until_stopped(self, lanes: ThreadContext | None, home: int) -> None:
+        served: dict[int, int] = {}
+        movable = self._movable()
         while True:
             with self._cond:
                 self._expire(time.monotonic())
@@ -277,12 +314,20 @@ class Engine:
                 types = [t[r.index] if (t := self._requests[r.request_id].type_ids) else None
                          for r in chosen]
                 raw = [self._requests[r.request_id].raw for r in chosen]
-            if chosen:
-                self._serve(chosen, rows, types, raw, lanes)
+            if not chosen:
+                continue
+            n = self._serve(chosen, rows, types, raw, lanes)
+            if movable and n is not None:
+                served[n] = served.get(n, 0) + 1
+                if sum(served.values()) >= HOME_WINDOW:
+                    if self._move_home(served, home):
+                        return
+                    served.clear()
 
     def _serve(self, chosen: list[PendingRow], rows: list[list[int]],
                types: list[list[int] | None], raw: list[bool],
-               lanes: ThreadContext | None = None) -> None:
+               lanes: ThreadContext | None = None) -> int | None:
+        """One served forward of ``chosen``; the count it ran at (None: it failed)."""
         batch = pad(rows, types, raw, self.pad_to)
         num_threads = self.threads.served_threads(batch)
         try:
@@ -294,7 +339,7 @@ class Engine:
             self._fail_requests({r.request_id for r in chosen},
                                 exc if isinstance(exc, RuntimeFault) else RuntimeFault(
                                     f"forward failed: {exc}"))
-            return
+            return None
         with self._cond:
             self.forwards += 1
         self.threads.observe(batch, result)
@@ -304,6 +349,7 @@ class Engine:
                 rows=batch.rows, padded_tokens=batch.padded_tokens, num_threads=num_threads,
                 observed_threads=result.observed_threads, forward_s=result.forward_s,
                 requests=len({r.request_id for r in chosen})))
+        return num_threads
 
     def _deliver(self, chosen: list[PendingRow], outputs: np.ndarray) -> None:
         done: list[_Request] = []

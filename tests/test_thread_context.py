@@ -218,3 +218,75 @@ def test_a_two_thread_forward_holds_its_team_on_distinct_cpus_while_it_runs(
         assert len(helpers) == 1 and all(m == allowed - {cpu} for m in helpers.values())
     else:
         assert lead == allowed
+
+
+class _Serves:
+    """A threads policy that serves each forward at the next count of ``counts``, in turn."""
+
+    def __init__(self, *counts: int) -> None:
+        self.counts, self.i = counts, 0
+
+    def served_threads(self, _batch) -> int:
+        self.i += 1
+        return self.counts[(self.i - 1) % len(self.counts)]
+
+    def observe(self, _batch, _result) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _serve_one_by_one(torch_backend, policy, forwards: int) -> tuple[list, list]:
+    """``forwards`` served forwards of one row each, one after another: (thread, stated count,
+    torch count, OpenMP count) of each as it ran, and each answer."""
+    from vllm_srun.runtime import engine as engine_module
+
+    seen: list = []
+    observer = Observer()
+
+    def hook(module, args):
+        observer(module, args)
+        seen.append((threading.current_thread().name, *observer.seen[-1]))
+
+    handle = torch_backend.module.register_forward_pre_hook(hook)
+    context = ThreadContext()
+    engine = Engine(torch_backend, EngineArgs(num_threads=1), threads=policy, context=context)
+    engine.start()
+    row = [101] + [7592] * 20 + [102]
+    try:
+        answers = [engine.submit([row]).result(timeout=60) for _ in range(forwards)]
+    finally:
+        handle.remove()
+        engine.stop()
+        context.shutdown()
+    assert forwards > engine_module.HOME_WINDOW
+    return seen, answers
+
+
+def test_the_scheduler_moves_to_a_thread_of_the_count_most_forwards_are_served_at(
+        torch_backend):
+    """Configured 1, every forward served at 2 (mode 2 once it learned 2 threads): each
+    forward is handed to the lane of 2 and back until, after ``HOME_WINDOW`` forwards, the
+    loop moves to a new thread of count 2 (its home) and serves them inline; every forward
+    runs at its stated count and answers the same on either thread."""
+    from vllm_srun.runtime.engine import HOME_WINDOW
+
+    seen, answers = _serve_one_by_one(torch_backend, _Serves(2), HOME_WINDOW + 20)
+    threads = [name for name, *_ in seen]
+    assert all(t.startswith("forward-2t") for t in threads[:HOME_WINDOW])  # the lane
+    assert set(threads[HOME_WINDOW + 1:]) == {"engine"}  # ... then its own loop
+    for _, stated, torch_count, omp_count in seen[HOME_WINDOW + 1:]:
+        assert (stated, torch_count, omp_count) == (2, 2, 2)
+    assert all(np.array_equal(a, answers[0]) for a in answers)
+
+
+def test_the_scheduler_stays_where_no_count_serves_most_forwards(torch_backend):
+    """Forwards served at 1 and 2 in turn: the loop keeps its home (each move costs a cold
+    team's first forward), and the forwards at 2 go to the lane of 2."""
+    from vllm_srun.runtime.engine import HOME_WINDOW
+
+    seen, _ = _serve_one_by_one(torch_backend, _Serves(1, 2), HOME_WINDOW + 20)
+    for name, stated, torch_count, _ in seen:
+        assert torch_count == stated
+        assert name == ("engine" if stated == 1 else "forward-2t_0")
