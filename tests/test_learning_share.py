@@ -194,3 +194,86 @@ def test_the_share_is_kept_for_the_oldest_starved_range_not_spent_on_cheaper_one
         else:
             paid.credit_s, paid.range_credit_s[64] = 1.0, 0.015  # its own bucket is short
             assert board.paid_due(100.0, paid.affords)[:2] == (16, board.jobs[16])
+
+
+def test_a_paid_shadow_that_times_a_count_runs_in_the_served_forwards_place(backend):
+    """R4.5 amended, mode 1 under back-to-back load with a shadow loop thread: a paid shadow
+    whose time is a sample (count 2, which mode 1 serves never) does not run beside a served
+    forward (beside one on 2 vCPUs at 60% of capacity it timed the CPUs that forward left:
+    1.4-2.0x the served 1-thread median). Due while one runs, it claims the next forward's
+    place and starts once that one ended; each of them ran with no served forward in flight,
+    and the range learns from them."""
+    now = [0.0]
+    # served forwards take more than ``busy_max`` of each second, as at 60% of capacity: no
+    # idle-class shadow on their cores starts, even between two of them
+    settings = TunerSettings.of(background=True, min_samples=4, learning_share=0.02,
+                                busy_max=0.0)
+    beside = []
+
+    def shadow(batch, n, paid=False):
+        result = backend.forward(batch, n)
+        if paid:
+            beside.append((n, tuner.flight.busy, tuner.flight.held_until > 0))
+        now[0] += SHADOW_S
+        return replace(result, forward_s=SHADOW_S, waited_s=0.0)
+
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", M.revision, "o"), None,
+                            backend.forward, settings, clock=lambda: now[0],
+                            shadow_forward=shadow, paid_forward=lambda b, n: shadow(b, n, True))
+    tuner.ledger.locked_reason = None
+    claims = 0
+    for i in range(600):
+        batch = pad([row(20, i)])
+        n = tuner.served_threads(batch)
+        now[0] += SERVED_S[n] / 2
+        while tuner.step():  # the shadow loop, halfway through this forward
+            pass
+        claims += tuner.flight.claim_until > 0
+        result = backend.forward(batch, n)
+        now[0] += SERVED_S[n] / 2
+        tuner.observe(batch, replace(result, forward_s=SERVED_S[n]))
+        while tuner.step():  # ... and woken as it ended
+            pass
+        assert tuner.flight.claim_until == 0.0  # a claim lasts until the shadow loop's turn
+    r = tuner.learner.ranges[16]
+    timed = [(busy, held) for count, busy, held in beside if count == 2]
+    assert len(r.samples.get(2, ())) >= 4 and r.learned is not None, r
+    assert claims >= 1 and len(timed) >= 4
+    assert set(timed) == {(0, True)}  # none beside a served forward, each holding its place
+
+
+def test_a_served_forward_waits_while_a_paid_shadow_holds_its_place(backend):
+    """The engine's side: a served forward about to start while a paid shadow that times a
+    count runs waits until it ends (the shadow loop's thread, a real one here)."""
+    import threading
+    import time
+
+    release, running = threading.Event(), threading.Event()
+
+    def paid(batch, n):
+        running.set()
+        release.wait(10)
+        return replace(backend.forward(batch, n), waited_s=0.0)
+
+    tuner = AdaptiveThreads(AdaptiveMode.LEARN, 1, (1, 2), Scope("h", M.revision, "o"), None,
+                            backend.forward, TunerSettings.of(background=True),
+                            clock=lambda: 100.0, paid_forward=paid)
+    tuner.ledger.locked_reason = None
+    batch = pad([row(20)])
+    tuner.observe(batch, replace(backend.forward(batch, 1), forward_s=0.02))  # due: count 2
+    tuner.learner.board.starved_since[16] = 0.0
+    tuner.side.paid.credit_s = 1.0
+    tuner.side.budget.used_s = 1e9  # no idle-class shadow may start: only a paid one
+    loop = threading.Thread(target=tuner.step)
+    loop.start()
+    assert running.wait(10) and tuner.flight.held_until
+    started = []
+    served = threading.Thread(target=lambda: started.append(tuner.served_threads(batch)))
+    served.start()
+    time.sleep(0.3)
+    assert not started  # it waits for the shadow
+    release.set()
+    loop.join(10)
+    served.join(10)
+    assert started == [1] and not tuner.flight.held_until
+    assert tuner.tally.waited == 1 and tuner.tally.waited_s >= 0.3

@@ -117,6 +117,9 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
         return self.clock()
 
     def close(self) -> None:
+        with self.lock:  # no served forward waits for a shadow any more
+            self.flight.held_until = self.flight.claim_until = 0.0
+            self.lock.notify_all()
         self.side.freezer.close()
         self.sync.stop_watch()
         self.side.close(self.flush)
@@ -164,8 +167,11 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
         gate), else the configured count. A forward of a range still exploring is a timing
         sample: the shadow side is frozen (``pause_shadows``) while it runs, or else its
         time counts only if no shadow ran beside it. Mode 2 with a voucher: such a range
-        serves a count it lacks samples for, in turn (vouched exploration, R4.8)."""
+        serves a count it lacks samples for, in turn (vouched exploration, R4.8). It waits
+        first while a paid shadow that times a count holds the served forwards' place
+        (``ShadowSteps.step``)."""
         with self.lock:
+            self.wait_for_timing_shadow()
             self.gate.served_started(self.clock(), first=self.flight.served_started())
             lo = size_range(batch.padded_tokens)[0]
             learner, r = self.learner, self.learner.ranges.get(lo)
@@ -274,7 +280,8 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
                 self.side.freezer.served_ended(lambda: self.gate.thaw_hold_s(
                     self.flight.shadow_gated and bool(self.flight.shadowing), self.clock()))
             learner = self.learner
-            if learner.board.jobs and wake:
+            if learner.board.jobs and (wake or (not self.flight.busy and
+                                                self.flight.claim_until > time.monotonic())):
                 self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or not self.ledger.learning:
                 return

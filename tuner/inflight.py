@@ -60,6 +60,12 @@ class InFlight:
     shadow_gated: bool = False  # ... it waited for a gap (``ShadowGate.next_shadow``)
     shadow_paid: bool = False  # ... it is a paid one: never frozen
     shadow_lo: int = 0  # ... and its range (``AdaptiveThreads._shadow_starved``)
+    # a paid shadow that times a count runs in the served forwards' place: while it runs
+    # (until it ends, or ``held_until`` at the latest) and while it waits for those running
+    # to end (``claim_until``), a served forward about to start waits (monotonic times;
+    # ``ShadowSteps.wait_for_timing_shadow``)
+    held_until: float = 0.0
+    claim_until: float = 0.0
     # served forwards running: id(batch) -> what it found at its start
     timed: dict[int, Timed] = field(default_factory=dict)
 

@@ -137,7 +137,12 @@ def from_tuner(t: AdaptiveThreads, record_path: str | None = None) -> ReportInpu
                            "paid_shadow_seconds": round(paid.paid_s, 3),
                            "served_forward_seconds": round(served_s, 3),
                            "paid_share_of_served": round(paid.paid_s / served_s, 4)
-                           if served_s else 0.0})
+                           if served_s else 0.0,
+                           # ... those that timed a count ran in the served forwards' place:
+                           # the served forwards that waited for one, and how long in all
+                           "served_forwards_that_waited_for_a_paid_shadow": t.tally.waited,
+                           "served_wait_seconds_for_paid_shadows": round(t.tally.waited_s,
+                                                                          3)})
 
 
 def range_state(inp: ReportInput, r: RangeLearning) -> RangeState:

@@ -1,17 +1,31 @@
 """The shadow side of one worker's learning (``adaptive.AdaptiveThreads``, whose part this is):
 the shadow loop's ``step`` (the next due shadow, idle-class or paid), what an ended shadow
-charges and means, the warm-up of every count on the shadow side. A mixin: it reads the
-tuner's ``lock``, ``clock``, ``ledger``, ``learner``, ``flight``, ``gate``, ``side``,
-``tally`` and ``counts``, and holds no state of its own.
+charges and means, the warm-up of every count on the shadow side, and the wait of a served
+forward whose place a paid shadow that times a count holds. A mixin: it reads the tuner's
+``lock``, ``clock``, ``ledger``, ``learner``, ``flight``, ``gate``, ``side``, ``tally``,
+``counts`` and ``settings``, and holds no state of its own.
 """
 
 from __future__ import annotations
+
+import time
 
 from vllm_srun.runtime.errors import RuntimeFault
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
 from vllm_srun.tuner.inflight import ShadowStart
 from vllm_srun.tuner.policy import clean_window, preempted
 from vllm_srun.tuner.scheduling import ShadowJob
+
+# A paid shadow that times a count claims the served forwards' place for at most this long
+# while the forwards running end (one forward of the longest inputs runs about a second at
+# 1 thread, FACTS.md); the claim is renewed at each try, so it lapses only where the shadow
+# loop stopped trying
+CLAIM_S = 1.0
+
+# The longest a paid shadow that times a count holds the served forwards' place (``step``):
+# twice what the paid bucket holds (``share.PAID_CAP_S``), so a shadow that runs over its
+# expected cost still ends first, while one whose shadow process hung holds serving no longer
+HOLD_MAX_S = 2.0
 
 
 class ShadowSteps:
@@ -23,19 +37,31 @@ class ShadowSteps:
         """Run one due shadow forward on the calling thread (the shadow loop, or a test).
         An idle-class one starts only while no served forward runs and within its budget
         (``ShadowGate.next_shadow``); else a starved one the learning share affords runs paid
-        (``_paid_shadow``). False when none may start now."""
+        (``_paid_shadow``). False when none may start now.
+
+        A paid shadow whose time is to be a sample (``_times_a_count``) runs in the served
+        forwards' place: it starts only while none runs, and served forwards about to start
+        wait until it ends (``held_until``; while it waits for those running, its claim makes the
+        next ones wait: ``claim_until``). Beside a served forward it timed the CPUs that
+        forward left it: on 2 vCPUs at 60% of capacity, 2-thread shadows beside 1-thread
+        served forwards ran 1.4-2.0x the served 1-thread median, and mode 1 kept 1 thread
+        in every range where 2 threads were faster (``bench.mode1_learning``). Only where
+        a shadow loop thread runs (``TunerSettings.background``): a caller that steps by
+        hand, the simulator among them, runs it beside served forwards as before."""
         board = self.learner.board
         with self.lock:
-            if not self.ledger.learning or not board.jobs:
+            claimed, self.flight.claim_until = self.flight.claim_until, 0.0
+            due, paid, held = self._next_due()
+            if held and self.flight.busy:
+                # the served forwards' place, once those running end (``observe`` wakes us)
+                self.flight.claim_until = time.monotonic() + CLAIM_S
                 return False
-            now = self.clock()
-            due = None if self.flight.busy or self.side.budget.over(now) else \
-                self.gate.next_shadow(now, board.jobs, self.learner.ranges, self.mode)
-            self.gate.waiting_gap = due is None
-            paid = due is None and (due := self._paid_shadow(now)) is not None
+            if claimed and not held:
+                self.lock.notify_all()  # served forwards that waited for its claim go on
             if due is None:
                 return False
             lo, job, count, sharing = due
+            self.flight.held_until = time.monotonic() + HOLD_MAX_S if held else 0.0
             epoch = self.flight.epoch
             self.flight.shadow_began(lo, sharing, paid)
             began = self.clock()
@@ -52,9 +78,45 @@ class ShadowSteps:
         finally:
             with self.lock:
                 self.flight.shadow_paid = False
+                if self.flight.held_until:
+                    self.flight.held_until = 0.0
+                    self.lock.notify_all()  # served forwards wait for it to end
         with self.lock:
             self._shadow_ended(start, result)
         return True
+
+    def wait_for_timing_shadow(self) -> None:
+        """A served forward is about to start (the lock held, released while waiting): wait
+        while a paid shadow that times a count runs in its place or claims it (``step``), for
+        ``HOLD_MAX_S`` at most after that shadow started."""
+        flight, began, waited = self.flight, time.monotonic(), False
+        while (left := max(flight.held_until, flight.claim_until) - time.monotonic()) > 0:
+            waited = True
+            self.lock.wait(left)
+        if waited:
+            self.tally.waited += 1
+            self.tally.waited_s += time.monotonic() - began
+
+    def _next_due(self) -> tuple[tuple[int, ShadowJob, int, bool] | None, bool, bool]:
+        """The shadow to start now (the lock held), whether the share pays for it, and
+        whether it is to hold the served forwards' place (see ``step``)."""
+        board = self.learner.board
+        if not self.ledger.learning or not board.jobs:
+            return None, False, False
+        now = self.clock()
+        due = None if self.flight.busy or self.side.budget.over(now) else \
+            self.gate.next_shadow(now, board.jobs, self.learner.ranges, self.mode)
+        self.gate.waiting_gap = due is None
+        paid = due is None and (due := self._paid_shadow(now)) is not None
+        held = paid and self.settings.background and self._times_a_count(*due[:3])
+        return due, paid, held
+
+    def _times_a_count(self, lo: int, job: ShadowJob, count: int) -> bool:
+        """Is a shadow of ``job`` at ``count`` to be a sample: a count its exploring range
+        lacks samples of, which the range's own served forwards do not time?"""
+        r = self.learner.ranges.get(lo)
+        return r is not None and r.exploring and count in self.learner.need(r) and \
+            not self.learner.times_served(r, count, job.batch)
 
     def _shadow_ended(self, start: ShadowStart, result: ForwardResult) -> None:
         """A due shadow ended (the lock held): charge what it took, judge whether its time is

@@ -29,6 +29,8 @@ class Tally:
     # nothing the change detector watches
     behind: int = 0  # mode 2: forwards of an exploring range served at the fastest count
     # so far, not explored on: more rows waited than one forward takes (``Engine.behind``)
+    waited: int = 0  # served forwards that waited for a paid shadow timing a count in their
+    waited_s: float = 0.0  # place (``ShadowSteps.step``), and how long they waited in all
 
     def served(self, verdict: Verdict, contention: str | None, other: bool) -> None:
         """Why a served forward runs where it does: the ledger's ``verdict`` on the count
