@@ -117,9 +117,7 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
         return self.clock()
 
     def close(self) -> None:
-        with self.lock:  # no served forward waits for a shadow any more
-            self.flight.held_until = self.flight.claim_until = 0.0
-            self.lock.notify_all()
+        self.release_served()
         self.side.freezer.close()
         self.sync.stop_watch()
         self.side.close(self.flush)
@@ -168,8 +166,7 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
         sample: the shadow side is frozen (``pause_shadows``) while it runs, or else its
         time counts only if no shadow ran beside it. Mode 2 with a voucher: such a range
         serves a count it lacks samples for, in turn (vouched exploration, R4.8). It waits
-        first while a paid shadow that times a count holds the served forwards' place
-        (``ShadowSteps.step``)."""
+        while a paid shadow that times a count holds its place (``ShadowSteps.step``)."""
         with self.lock:
             self.wait_for_timing_shadow()
             self.gate.served_started(self.clock(), first=self.flight.served_started())
@@ -280,8 +277,7 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
                 self.side.freezer.served_ended(lambda: self.gate.thaw_hold_s(
                     self.flight.shadow_gated and bool(self.flight.shadowing), self.clock()))
             learner = self.learner
-            if learner.board.jobs and (wake or (not self.flight.busy and
-                                                self.flight.claim_until > time.monotonic())):
+            if learner.board.jobs and (wake or self.flight.claimed()):
                 self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or not self.ledger.learning:
                 return

@@ -12,6 +12,7 @@ if no other served forward ran beside it (``solo``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from vllm_srun.runtime.types import TokenBatch
@@ -81,6 +82,10 @@ class InFlight:
         self.busy = max(0, self.busy - 1)
         self.epoch += 1
         return self.timed.pop(id(batch), NOT_TIMED)
+
+    def claimed(self) -> bool:
+        """No served forward runs, and a paid shadow that times a count claims their place."""
+        return not self.busy and self.claim_until > time.monotonic()
 
     def room(self) -> int:
         """The threads a served forward about to start may take beside the served forwards

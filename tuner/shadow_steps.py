@@ -97,6 +97,12 @@ class ShadowSteps:
             self.tally.waited += 1
             self.tally.waited_s += time.monotonic() - began
 
+    def release_served(self) -> None:
+        """The tuner closes: no served forward waits for a shadow any more."""
+        with self.lock:
+            self.flight.held_until = self.flight.claim_until = 0.0
+            self.lock.notify_all()
+
     def _next_due(self) -> tuple[tuple[int, ShadowJob, int, bool] | None, bool, bool]:
         """The shadow to start now (the lock held), whether the share pays for it, and
         whether it is to hold the served forwards' place (see ``step``)."""
