@@ -12,7 +12,7 @@ infinity fails its request (``NonFiniteAnswer``, naming the input); the forward'
 requests are answered. The scheduler thread is itself a lane of one count (its *home*): a
 forward at another count is handed to that count's lane and back, and where most forwards
 come to be served at another count (mode 2 once it learned), the loop moves to a new thread
-whose home is that count (``HOME_WINDOW``, ``HOME_SHARE``). The threads policy hears when each
+whose home is that count (``home.HomeWatch``). The threads policy hears when each
 served forward begins (``served_threads``) and ends (``observe``); the adaptive tuner runs its
 shadow passes on threads of its own and never on this one.
 
@@ -42,20 +42,11 @@ from vllm_srun.runtime.errors import (
     NonFiniteAnswer,
     RuntimeFault,
 )
+from vllm_srun.runtime.home import HomeWatch
 from vllm_srun.runtime.threads import ThreadContext, thread_context
 from vllm_srun.runtime.types import EngineArgs, ForwardRecord, ForwardResult, TokenBatch
 
 log = logging.getLogger(__name__)
-
-# The scheduler's home moves after this many forwards (one thread loops, a thread-bound
-# backend) of which at least ``HOME_SHARE`` were served at one other count. Each forward
-# handed to another count's lane waited 0.6-0.7 ms for that lane to wake on a busy 2-vCPU
-# host (mode 2 at 16 connections: 2.4-2.9% of the time, ``bench/engine_split.py``); a move costs
-# one forward on a new thread's cold team. A window of a few seconds of traffic at tens of
-# forwards a second, and a share well over half, so that a mix near even never moves it back
-# and forth.
-HOME_WINDOW = 128
-HOME_SHARE = 0.75
 
 
 class ThreadsPolicy(Protocol):
@@ -274,26 +265,21 @@ class Engine:
         """May the scheduler's home move (one loop, a thread-bound backend)?"""
         return self.args.concurrent_forwards == 1 and not self._inline
 
-    def _move_home(self, served: dict[int, int], home: int) -> bool:
-        """After ``HOME_WINDOW`` forwards (``served``: how many at each count): start the
-        loop on a new thread whose home is the count that served at least ``HOME_SHARE`` of
-        them, if it is not ``home``; True when this thread is to end."""
-        top = max(served, key=served.__getitem__)
-        if top == home or served[top] < HOME_SHARE * sum(served.values()):
-            return False
+    def _move_home(self, home: int) -> bool:
+        """Start the loop on a new thread whose home is ``home`` (``HomeWatch``); True when
+        this thread is to end (False: the engine stops)."""
         with self._cond:
             if not self._running:
                 return False
-            thread = threading.Thread(target=self._loop, args=(top,), daemon=True,
+            thread = threading.Thread(target=self._loop, args=(home,), daemon=True,
                                       name="engine")
             self._threads.append(thread)
             thread.start()
-        log.info("engine_home_moved from=%d to=%d forwards=%s", home, top, served)
+        log.info("engine_home_moved to=%d", home)
         return True
 
     def _serve_until_stopped(self, lanes: ThreadContext | None, home: int) -> None:
-        served: dict[int, int] = {}
-        movable = self._movable()
+        watch = HomeWatch(home) if self._movable() else None
         while True:
             with self._cond:
                 self._expire(time.monotonic())
@@ -317,12 +303,9 @@ class Engine:
             if not chosen:
                 continue
             n = self._serve(chosen, rows, types, raw, lanes)
-            if movable and n is not None:
-                served[n] = served.get(n, 0) + 1
-                if sum(served.values()) >= HOME_WINDOW:
-                    if self._move_home(served, home):
-                        return
-                    served.clear()
+            if watch is not None and n is not None and (
+                    to := watch.served_at(n)) is not None and self._move_home(to):
+                return
 
     def _serve(self, chosen: list[PendingRow], rows: list[list[int]],
                types: list[list[int] | None], raw: list[bool],

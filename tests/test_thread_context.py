@@ -240,7 +240,7 @@ class _Serves:
 def _serve_one_by_one(torch_backend, policy, forwards: int) -> tuple[list, list]:
     """``forwards`` served forwards of one row each, one after another: (thread, stated count,
     torch count, OpenMP count) of each as it ran, and each answer."""
-    from vllm_srun.runtime import engine as engine_module
+    from vllm_srun.runtime import home as home_module
 
     seen: list = []
     observer = Observer()
@@ -260,7 +260,7 @@ def _serve_one_by_one(torch_backend, policy, forwards: int) -> tuple[list, list]
         handle.remove()
         engine.stop()
         context.shutdown()
-    assert forwards > engine_module.HOME_WINDOW
+    assert forwards > home_module.HOME_WINDOW
     return seen, answers
 
 
@@ -270,7 +270,7 @@ def test_the_scheduler_moves_to_a_thread_of_the_count_most_forwards_are_served_a
     forward is handed to the lane of 2 and back until, after ``HOME_WINDOW`` forwards, the
     loop moves to a new thread of count 2 (its home) and serves them inline; every forward
     runs at its stated count and answers the same on either thread."""
-    from vllm_srun.runtime.engine import HOME_WINDOW
+    from vllm_srun.runtime.home import HOME_WINDOW
 
     seen, answers = _serve_one_by_one(torch_backend, _Serves(2), HOME_WINDOW + 20)
     threads = [name for name, *_ in seen]
@@ -284,7 +284,7 @@ def test_the_scheduler_moves_to_a_thread_of_the_count_most_forwards_are_served_a
 def test_the_scheduler_stays_where_no_count_serves_most_forwards(torch_backend):
     """Forwards served at 1 and 2 in turn: the loop keeps its home (each move costs a cold
     team's first forward), and the forwards at 2 go to the lane of 2."""
-    from vllm_srun.runtime.engine import HOME_WINDOW
+    from vllm_srun.runtime.home import HOME_WINDOW
 
     seen, _ = _serve_one_by_one(torch_backend, _Serves(1, 2), HOME_WINDOW + 20)
     for name, stated, torch_count, _ in seen:
