@@ -25,7 +25,7 @@ from vllm_srun.runtime.engine import pad
 from vllm_srun.runtime.sizes import grid_length
 from vllm_srun.runtime.threads import ThreadContext
 from vllm_srun.server.worker.assembly import scope_for
-from vllm_srun.tuner.adaptive import output_bits
+from vllm_srun.tuner.adaptive import AdaptiveThreads, output_bits
 from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.policy import RangeState
 from vllm_srun.tuner.report import build, from_tuner
@@ -497,6 +497,43 @@ def test_idle_verification_checks_a_served_shape_against_the_answer_served(tmp_p
     assert ((1, 16), 1) in ran and ((1, 16), 2) in ran  # never served: both counts
     assert report["learning"]["shapes_verified_against_served_answers"] >= 2
     assert report["learning"]["shapes_verified_in_idle_time"] >= len(wanted)
+
+
+def test_a_record_read_a_flush_overlapped_does_not_forget_shapes_just_verified(tmp_path):
+    """R4.8: the record watch read the voucher just before this worker's flush wrote the
+    shapes it had verified (the flush took them from what waits to be written). That read
+    lacks them: taken, the worker would hold a voucher without them, and its verifier, which
+    starts over on each new voucher it sees, would verify them again (a forward at the
+    configured count and one at 2, for shapes already verified). It is not taken; the next
+    read brings them."""
+    path = tmp_path / "r.sqlite"
+    scope = Scope("test-host", M.revision, "onnxruntime")
+
+    def no_forward(batch, n):
+        raise AssertionError("no forward runs in this test")
+
+    tuner = AdaptiveThreads(AdaptiveMode.SERVE, 1, COUNTS, scope, HostRecord(path),
+                            no_forward, FAST)
+    verifier = tuner.side.verifier
+    tuner.sync.pending.shapes.add((1, 20, 2))  # as ``IdleVerifier.step`` notes one
+    verifier.done.add((1, 20, 2))
+    assert verifier._todo((1, 20)) == []
+    read = tuner.sync.read_back
+
+    def read_then_flush():
+        got = read()
+        tuner.flush()  # between the read and its use
+        return got
+
+    held = tuner.ledger.voucher
+    tuner.sync.read_back = read_then_flush
+    tuner.poll_record()
+    assert (1, 20, 2, 1) in HostRecord(path).voucher(scope).verified
+    assert tuner.ledger.voucher is held and verifier._todo((1, 20)) == []
+    tuner.sync.read_back = read
+    tuner.poll_record()
+    assert tuner.ledger.voucher.covers(1, 20, 2, 1)
+    assert verifier._todo((1, 20)) == []
 
 
 def test_idle_verification_that_meets_a_real_mismatch_blocks_vouching_without_retiring(

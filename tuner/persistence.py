@@ -46,6 +46,9 @@ class RecordSync:
         self.error: str | None = None  # the last record call that failed, in words
         self.pending = Pending()
         self.last_flush = clock()
+        # flushes taken (``take``) and written since: a read back that one of them overlapped
+        # may lack what it held (``settled``)
+        self.taken = self.written = 0
         self._watch: RecordWatch | None = None
         # R4.12: this tuner's id in the record, and when (time.time()) it last said it lives
         self.writer, self.started_at, self.seen_at = new_writer(), time.time(), 0.0
@@ -91,7 +94,16 @@ class RecordSync:
     def take(self, now: float) -> Pending:
         """What to write now (the caller holds the tuner's lock); nothing pending after."""
         taken, self.pending, self.last_flush = self.pending, Pending(), now
+        self.taken += 1
         return taken
+
+    def settled(self) -> int | None:
+        """(The tuner's lock held.) The flushes taken so far, where each is written; None
+        while one is being written. A read back is this worker's own, up to date with what
+        it verified, only where this is the same before the read and after it: else a flush
+        took ``pending`` (a shape just verified) from the tuner before the read saw it in the
+        record, and taking that read would forget the shape until the next."""
+        return self.taken if self.written == self.taken else None
 
     def write(self, taken: Pending, learned: dict[int, tuple[int, float, int, str | None]],
               configured: int) -> None:

@@ -32,7 +32,11 @@ class RecordSteps:
             learned = {lo: (r.learned, self.learner.speedup(r),
                             self.ledger.progress(lo, r.learned), r.learned_from)
                        for lo in taken.learned if (r := self.learner.ranges[lo]).learned}
-        self.sync.write(taken, learned, self.configured)
+        try:
+            self.sync.write(taken, learned, self.configured)
+        finally:
+            with self.lock:
+                self.sync.written += 1
 
     def poll_record(self) -> None:
         """Read drift, the voucher and live siblings' counts back from the record (the watch
@@ -41,8 +45,12 @@ class RecordSteps:
         if self.sync.record is None or self.ledger.retired is not None:
             return
         self.sync.heartbeat(self.settings.flush_s)
+        with self.lock:
+            settled = self.sync.settled()
         event, voucher = self.sync.read_back()
         siblings = self.sync.siblings(self.counts, self.configured)
         with self.lock:
+            if settled is None or settled != self.sync.settled():
+                voucher = None  # a flush overlapped the read: the next one reads the voucher
             self.learner.read_back(event, voucher)
             self.learner.adopt(siblings)
