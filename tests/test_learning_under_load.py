@@ -138,6 +138,25 @@ def hog() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+def why_pending(tuner) -> dict:
+    """What holds due shadows back, for a test that waited for them in vain: each job's
+    counts and backoff, the gate's, the freezer, what runs, the tally, the host's load."""
+    with tuner.lock:
+        now = tuner.clock()
+        flight = tuner.flight
+        return {
+            "jobs": {lo: (job.counts, job.retries, round(job.not_before - now, 2))
+                     for lo, job in tuner.learner.board.jobs.items()},
+            "backoff_s": round(tuner.gate.backoff.after_s - now, 2),
+            "quiet_s": round(tuner.gate.quiet(now), 3),
+            "idle_s": round(now - tuner.gate.idle_since, 2),
+            "frozen": (tuner.side.freezer.running, tuner.side.freezer.held),
+            "flight": (flight.busy, flight.shadowing, flight.held_until, flight.claim_until),
+            "side_error": tuner.side.error, "tally": vars(tuner.tally),
+            "loadavg": open("/proc/loadavg").read().strip(),
+        }
+
+
 def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_path):
     """R4.5: an idle-class shadow at 2 threads beside a CPU-bound neighbour loses a CPU to it
     and runs many times slower; its time is the neighbour's, not the count's. The shadow
@@ -181,7 +200,7 @@ def test_a_shadow_that_waited_for_a_cpu_another_task_held_is_not_a_sample(tmp_pa
             runner.engine.submit([row(120, i)]).result(timeout=60)
             if samples(2) >= 3:
                 break
-            wait_until(lambda: tuner.pending_shadows() == 0, 60)
+            assert poll(lambda: tuner.pending_shadows() == 0, 60, 0.1), why_pending(tuner)
         assert samples(2) >= 1 and tuner.ledger.retired is None
     finally:
         if neighbour is not None:
