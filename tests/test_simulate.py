@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from vllm_srun.tuner import report
+from vllm_srun.tuner.modes import AdaptiveMode
 from vllm_srun.tuner.sim_calibration import (
     EPYC_9575F_16_THREADS_MS,
     KUNPENG_29_TOKENS_MS,
@@ -45,6 +46,7 @@ from vllm_srun.tuner.simulate import (
     ledger,
     many_core,
     poisson_trace,
+    trace_at_load,
 )
 
 TOLERANCE = 0.15  # issue 27: every cell within 15%
@@ -353,6 +355,35 @@ def test_mode2_learns_a_count_near_the_models_best_for_each_range(cores):
     for lo, n in got.items():
         best = min(model.forward_ms(lo, k) for k in host.counts)
         assert model.forward_ms(lo, n) <= 1.10 * best, (lo, n, got)
+
+
+def test_a_paid_shadow_that_times_a_count_holds_its_simulated_workers_place():
+    """R4.5 amended, as on the real engine (``ShadowSteps.step``): mode 1 on 2 cores at 90% of
+    a 1-thread worker's capacity leaves no gap for a 2-thread shadow, so the learning share
+    pays for them; each runs in the served forwards' place: it starts only once the served
+    forward in flight ended, and no served forward starts while it runs (the event loop holds
+    them back, as ``served_threads`` waits on the real engine). The ranges get 2-thread
+    samples."""
+    model = TimeModel(2)
+    host = SimulatedHost(model, mode=AdaptiveMode.LEARN, configured=1, counts=(1, 2), seed=5)
+    start, held = host.clock.start_forward, {}  # id -> the shadow (kept: no id reused)
+
+    def start_forward(w, batch, n, shadow):
+        if shadow and host.tuner.place_held_until() > host.clock.now_s:
+            # none of its worker's served forwards in flight
+            assert all(f.shadow for f in host.clock.forwards), host.clock.now_s
+            fwd = start(w, batch, n, shadow)
+            held[id(fwd)] = fwd
+            return fwd
+        if not shadow:
+            assert not any(id(f) in held for f in host.clock.forwards), host.clock.now_s
+        return start(w, batch, n, shadow)
+
+    host.clock.start_forward = start_forward
+    host.run(trace_at_load(model.fit(), 0.9, 1, 1, 120.0, seed=5))
+    assert len(held) >= 3, len(held)
+    ranges = report.build(report.from_tuner(host.tuners[0]))["ranges"]
+    assert any(r["counts"]["2"]["samples"] for r in ranges), ranges
 
 
 def test_the_many_core_scenario_reports_mode2_against_every_fixed_count():

@@ -277,7 +277,7 @@ class AdaptiveThreads(RecordSteps, ShadowSteps):
                 self.side.freezer.served_ended(lambda: self.gate.thaw_hold_s(
                     self.flight.shadow_gated and bool(self.flight.shadowing), self.clock()))
             learner = self.learner
-            if learner.board.jobs and (wake or self.flight.claimed()):
+            if learner.board.jobs and (wake or self.flight.claimed(now)):
                 self.lock.notify_all()  # the shadow loop waits for no served forward to run
             if result is None or not self.ledger.learning:
                 return

@@ -12,7 +12,6 @@ if no other served forward ran beside it (``solo``).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from vllm_srun.runtime.types import TokenBatch
@@ -63,7 +62,7 @@ class InFlight:
     shadow_lo: int = 0  # ... and its range (``AdaptiveThreads._shadow_starved``)
     # a paid shadow that times a count runs in the served forwards' place: while it runs
     # (until it ends, or ``held_until`` at the latest) and while it waits for those running
-    # to end (``claim_until``), a served forward about to start waits (monotonic times;
+    # to end (``claim_until``), a served forward about to start waits (the tuner's clock;
     # ``ShadowSteps.wait_for_timing_shadow``)
     held_until: float = 0.0
     claim_until: float = 0.0
@@ -83,9 +82,9 @@ class InFlight:
         self.epoch += 1
         return self.timed.pop(id(batch), NOT_TIMED)
 
-    def claimed(self) -> bool:
+    def claimed(self, now: float) -> bool:
         """No served forward runs, and a paid shadow that times a count claims their place."""
-        return not self.busy and self.claim_until > time.monotonic()
+        return not self.busy and self.claim_until > now
 
     def room(self) -> int:
         """The threads a served forward about to start may take beside the served forwards

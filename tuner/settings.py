@@ -132,6 +132,10 @@ class TunerSettings:
     flush_s: float = 2.0  # how often learnings are written to the record
     watch_s: float = 0.5  # how often drift and the voucher are read back from the record
     background: bool = True  # run shadows on the tuner's own idle thread (tests step by hand)
+    # without ``background``: a paid shadow that times a count still holds the served
+    # forwards' place where the caller asks (``place_held_until``) before it starts each
+    # served forward, as the simulator's event loop does (tests that step by hand do not)
+    hold_place: bool = False
 
     @classmethod
     def of(cls, **knobs) -> TunerSettings:
@@ -156,7 +160,7 @@ class TunerSettings:
 
 def _where(knob: str) -> tuple[str | None, str]:
     """The group (None: ``TunerSettings`` itself) and field a flat knob name means."""
-    if knob in ("flush_s", "watch_s", "background"):
+    if knob in ("flush_s", "watch_s", "background", "hold_place"):
         return None, knob
     for group, (kind, prefix) in _GROUPS.items():
         name = knob.removeprefix(prefix)

@@ -46,22 +46,23 @@ class ShadowSteps:
         forward left it: on 2 vCPUs at 60% of capacity, 2-thread shadows beside 1-thread
         served forwards ran 1.4-2.0x the served 1-thread median, and mode 1 kept 1 thread
         in every range where 2 threads were faster (``bench.mode1_learning``). Only where
-        a shadow loop thread runs (``TunerSettings.background``): a caller that steps by
-        hand, the simulator among them, runs it beside served forwards as before."""
+        a shadow loop thread runs (``TunerSettings.background``), or where the caller holds
+        served forwards back itself (``hold_place``: the simulator); a test that steps by
+        hand runs it beside served forwards."""
         board = self.learner.board
         with self.lock:
             claimed, self.flight.claim_until = self.flight.claim_until, 0.0
             due, paid, held = self._next_due()
             if held and self.flight.busy:
                 # the served forwards' place, once those running end (``observe`` wakes us)
-                self.flight.claim_until = time.monotonic() + CLAIM_S
+                self.flight.claim_until = self.clock() + CLAIM_S
                 return False
             if claimed and not held:
                 self.lock.notify_all()  # served forwards that waited for its claim go on
             if due is None:
                 return False
             lo, job, count, sharing = due
-            self.flight.held_until = time.monotonic() + HOLD_MAX_S if held else 0.0
+            self.flight.held_until = self.clock() + HOLD_MAX_S if held else 0.0
             epoch = self.flight.epoch
             self.flight.shadow_began(lo, sharing, paid)
             began = self.clock()
@@ -89,13 +90,21 @@ class ShadowSteps:
         """A served forward is about to start (the lock held, released while waiting): wait
         while a paid shadow that times a count runs in its place or claims it (``step``), for
         ``HOLD_MAX_S`` at most after that shadow started."""
-        flight, began, waited = self.flight, time.monotonic(), False
-        while (left := max(flight.held_until, flight.claim_until) - time.monotonic()) > 0:
+        flight, began, waited = self.flight, time.monotonic(), False  # (waited: real time)
+        while (left := max(flight.held_until, flight.claim_until) - self.clock()) > 0:
             waited = True
             self.lock.wait(left)
         if waited:
             self.tally.waited += 1
             self.tally.waited_s += time.monotonic() - began
+
+    def place_held_until(self) -> float:
+        """Until when (the tuner's clock) a served forward about to start would wait for a
+        paid shadow that times a count (``wait_for_timing_shadow``); in the past where none
+        would. A caller that holds served forwards back itself (``TunerSettings.hold_place``)
+        starts none before then; the shadow's end or the claim's release comes sooner."""
+        with self.lock:
+            return max(self.flight.held_until, self.flight.claim_until)
 
     def release_served(self) -> None:
         """The tuner closes: no served forward waits for a shadow any more."""
@@ -114,7 +123,8 @@ class ShadowSteps:
             self.gate.next_shadow(now, board.jobs, self.learner.ranges, self.mode)
         self.gate.waiting_gap = due is None
         paid = due is None and (due := self._paid_shadow(now)) is not None
-        held = paid and self.settings.background and self._times_a_count(*due[:3])
+        held = paid and (self.settings.background or self.settings.hold_place) and \
+            self._times_a_count(*due[:3])
         return due, paid, held
 
     def _times_a_count(self, lo: int, job: ShadowJob, count: int) -> bool:

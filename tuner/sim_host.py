@@ -12,10 +12,11 @@ it (one thread runs at a time, so runs are deterministic): it calls ``tuner.step
 returns False; a shadow forward (``shadow_forward``) registers its forward with the event loop
 and blocks until the virtual clock reaches its end. The tuner is driven through its public
 API only: ``startup``, ``served_threads``, ``observe``, ``step``, ``pending_shadows``,
-``close``, ``flush_due``, ``flush``, ``poll_record``, the ``explored`` counter, and the
-callbacks it is constructed with (``clock``, ``shadow_forward``, ``pause_shadows``,
-``free_cpu_s``); a real host record (a sweep's voucher covering every count and shape),
-shared by all workers, is its record.
+``place_held_until`` (no served forward starts on a worker whose place a paid shadow holds,
+as the real engine waits), ``close``, ``flush_due``, ``flush``, ``poll_record``, the
+``explored`` counter, and the callbacks it is constructed with (``clock``,
+``shadow_forward``, ``pause_shadows``, ``free_cpu_s``); a real host record (a sweep's
+voucher covering every count and shape), shared by all workers, is its record.
 
 Invariant: the virtual clock only moves in the event loop, while every shadow thread waits.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_srun.records.host_record import Coverage, HostRecord, Scope
+from vllm_srun.records.host_record import HostRecord, Scope
 from vllm_srun.runtime.batching import PendingRow, next_batch
 from vllm_srun.runtime.sizes import size_range
 from vllm_srun.runtime.types import ForwardResult, TokenBatch
@@ -48,6 +49,7 @@ from vllm_srun.tuner.sim_types import (
     SimWorker,
     answer,
     batch_of,
+    vouched_record,
 )
 
 __all__ = ["Arrival", "CoresHook", "Neighbour", "Noise", "Outcome", "SimulatedHost"]
@@ -94,7 +96,7 @@ class SimulatedHost:
         self.lanes: list[ShadowLane] = []
         self._record: HostRecord | None = None
         if fixed is None:
-            self._record = self._vouched_record(counts)
+            self._record = vouched_record(Path(self._tmp.name), self.scope, counts)
             for w in range(workers):
                 self._add_tuner(w, mode, configured, counts, self._record, settings,
                                 free_cpus)
@@ -102,14 +104,6 @@ class SimulatedHost:
                 self._workers[w].next_watch = (w + 1) * tuner.settings.watch_s / workers
 
     # -- set-up ------------------------------------------------------------------------------
-    def _vouched_record(self, counts: Sequence[int]) -> HostRecord:
-        """A real record whose sweep vouches for every count and shape (a modelled host)."""
-        record = HostRecord(Path(self._tmp.name) / "record.sqlite")
-        big = 1 << 30
-        record.add_voucher(self.scope, "verify", 1, 0,
-                           Coverage(tuple(counts), big, 1, big, big, big, 1))
-        return record
-
     scope = Scope("sim", "sim", "sim")
 
     def _add_tuner(self, w: int, mode: AdaptiveMode, configured: int, counts: Sequence[int],
@@ -117,7 +111,8 @@ class SimulatedHost:
         holder: list[ShadowLane] = []
         tuner = AdaptiveThreads(
             mode, configured, counts, self.scope, record, self._instant,
-            settings or TunerSettings.of(background=False), clock=lambda: self.clock.now_s,
+            (settings or TunerSettings()).with_(background=False, hold_place=True),
+            clock=lambda: self.clock.now_s,
             shadow_forward=lambda b, n: holder[0].shadow_forward(b, n),
             worker=f"sim {w}", pause_shadows=lambda f: holder[0].pause(f),
             free_cpu_s=(lambda: (self.clock.now_s, self.clock.free_s[w])) if free_cpus
@@ -158,7 +153,8 @@ class SimulatedHost:
                            arrivals[0].at_s if arrivals else math.inf,
                            *(self._workers[w].next_poll for w, lane in enumerate(self.lanes)
                              if lane.in_flight is None),
-                           *(k.next_watch for k in self._workers)], default=math.inf)
+                           *(k.next_watch for k in self._workers),
+                           *self._holds_lapse()], default=math.inf)
                 if not arrivals and all(not k.queue and k.serving is None
                                         for k in self._workers):
                     return self.out
@@ -176,6 +172,13 @@ class SimulatedHost:
         finally:
             self.close()
 
+    def _holds_lapse(self) -> list[float]:
+        """When the holds on workers with requests waiting lapse at the latest (a shadow's
+        end, or its claim's release, comes first as its own event)."""
+        now = self.clock.now_s
+        return [t for w, k in enumerate(self._workers) if k.queue and self.tuners
+                and (t := self.tuners[w].place_held_until()) > now]
+
     def _dispatch(self, request: int, a: Arrival) -> None:
         """To the worker with the fewest requests waiting or in service."""
         load = [len(k.queue) + (k.serving is not None) for k in self._workers]
@@ -186,8 +189,14 @@ class SimulatedHost:
 
     def _start_idle_workers(self) -> None:
         for w, k in enumerate(self._workers):
-            if k.serving is None and k.queue:
+            if k.serving is None and k.queue and not self._place_held(w):
                 self._start_served(w)
+
+    def _place_held(self, w: int) -> bool:
+        """A paid shadow that times a count holds worker ``w``'s served forwards back (it
+        runs, or waits for the one running to end), as the real engine's wait in
+        ``served_threads`` does (``ShadowSteps.step``)."""
+        return bool(self.tuners) and self.tuners[w].place_held_until() > self.clock.now_s
 
     def _held(self) -> float | None:
         """The cores the neighbour held over the last whole window of ``HELD_WINDOW_S``, as
@@ -250,8 +259,9 @@ class SimulatedHost:
         out.lengths.append(f.batch.padded_tokens // f.batch.rows)
         out.explored.append(f.explored)
         out.latency_ms.extend((now_s - at) * 1000 for _, at in f.requests)
-        if self.lanes and not self._workers[w].queue:
-            self._workers[w].next_poll = now_s  # a served forward's end wakes the shadow loop
+        if self.lanes and (not self._workers[w].queue or self._place_held(w)):
+            # a served forward's end wakes the shadow loop: idle now, or a claim waits for it
+            self._workers[w].next_poll = now_s
 
     def _watch_records(self) -> None:
         """Each worker's record watch (``AdaptiveThreads.poll_record``, every ``watch_s``,

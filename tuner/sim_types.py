@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from vllm_srun.records.host_record import Coverage, HostRecord, Scope
 from vllm_srun.runtime.types import TokenBatch
 
 
@@ -103,3 +106,12 @@ class SimWorker:
     count_now: dict[int, int] = field(default_factory=dict)
     next_poll: float = math.inf  # when its shadow loop next wakes
     next_watch: float = math.inf  # when its record watch next reads the record
+
+
+def vouched_record(directory: Path, scope: Scope, counts: Sequence[int]) -> HostRecord:
+    """A real record in ``directory`` whose sweep vouches for every count and shape of
+    ``scope`` (a modelled host)."""
+    record = HostRecord(directory / "record.sqlite")
+    big = 1 << 30
+    record.add_voucher(scope, "verify", 1, 0, Coverage(tuple(counts), big, 1, big, big, big, 1))
+    return record
